@@ -1,0 +1,4 @@
+"""statlib: tiny descriptive statistics helpers (Sandman SWE-style demo task)."""
+from .stats import mean, median
+
+__all__ = ["mean", "median"]
