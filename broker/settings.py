@@ -1,0 +1,139 @@
+"""One typed settings object, built from ``SANDMAN_*`` variables at each entry point.
+
+Nothing reads the environment at import time: entry points call ``Settings.from_env()``
+and pass the result down, so tests and embedded runs can build settings explicitly.
+A field ``foo_bar`` is read from ``SANDMAN_FOO_BAR``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+from urllib.parse import urlsplit, urlunsplit
+
+from broker.errors import ConfigError
+
+Backend = Literal["local", "kubernetes"]
+PREFIX = "SANDMAN_"
+_SECRET_FIELDS = frozenset({"admin_token", "admin_password", "secret_key"})
+_URL_FIELDS = frozenset({"database_url", "redis_url"})
+
+
+def _default_state_dir() -> Path:
+    return Path.home() / ".local" / "state" / "sandman"
+
+
+def _default_cache_dir() -> Path:
+    return Path.home() / ".cache" / "sandman"
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """Everything a broker process needs; defaults are the embedded single-machine setup."""
+
+    # Where running services keep data and logs, and where heavy build artefacts are cached.
+    state_dir: Path = dataclasses.field(default_factory=_default_state_dir)
+    cache_dir: Path = dataclasses.field(default_factory=_default_cache_dir)
+    # Empty URLs mean "start the embedded PostgreSQL / Redis in state_dir".
+    database_url: str = ""
+    redis_url: str = ""
+    embedded_pg_port: int = 15432
+    embedded_redis_port: int = 16379
+    # Label value that marks pods as this installation's; the GC never touches other values.
+    installation_id: str = "sandman-local"
+    backend: Backend = "local"
+    kubeconfig: str = ""
+    namespace: str = "sandman-sandboxes"
+    # Cluster-wide pacing shared by every worker (token bucket in Redis).
+    create_rate: float = 20.0
+    create_burst: int = 20
+    max_concurrent_creates: int = 64
+    readiness_budget_s: float = 120.0
+    lease_s: float = 300.0
+    idle_timeout_s: float = 300.0
+    gc_interval_s: float = 30.0
+    max_reuses: int = 8
+    execd_port: int = 8080
+    web_host: str = "127.0.0.1"
+    web_port: int = 8000
+    admin_token: str = ""
+    admin_password: str = ""
+    secret_key: str = ""
+    log_level: str = "INFO"
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
+        """Build settings from ``SANDMAN_*`` variables; explicit overrides win."""
+        env = os.environ if environ is None else environ
+        hints = typing.get_type_hints(cls)
+        values: dict[str, Any] = {}
+        for field in dataclasses.fields(cls):
+            raw = env.get(PREFIX + field.name.upper())
+            if raw is None or (raw == "" and hints[field.name] is not str):
+                continue
+            values[field.name] = _parse(field.name, raw, hints[field.name])
+        values.update(overrides)
+        return cls(**values)
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("local", "kubernetes"):
+            raise ConfigError(
+                f"SANDMAN_BACKEND must be 'local' or 'kubernetes', not {self.backend!r}"
+            )
+        if self.create_rate <= 0 or self.create_burst < 1:
+            raise ConfigError("SANDMAN_CREATE_RATE must be > 0 and SANDMAN_CREATE_BURST >= 1")
+        if self.max_reuses < 0:
+            raise ConfigError("SANDMAN_MAX_REUSES must be >= 0")
+
+    def redacted(self) -> dict[str, str]:
+        """A printable view: secrets blanked and URL passwords masked, safe for logs."""
+        out: dict[str, str] = {}
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if field.name in _SECRET_FIELDS:
+                out[field.name] = "***" if value else ""
+            elif field.name in _URL_FIELDS:
+                out[field.name] = redact_url(str(value))
+            else:
+                out[field.name] = str(value)
+        return out
+
+
+def redact_url(url: str) -> str:
+    """Mask the password of a URL such as ``postgresql://user:pw@host/db``."""
+    if not url:
+        return url
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+def _parse(name: str, raw: str, hint: Any) -> Any:
+    origin = typing.get_origin(hint)
+    try:
+        if hint is Path:
+            return Path(raw).expanduser()
+        if hint is bool:
+            if raw.lower() in ("1", "true", "yes", "on"):
+                return True
+            if raw.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(raw)
+        if hint in (int, float, str):
+            return hint(raw)
+        if origin is Literal:
+            if raw not in typing.get_args(hint):
+                raise ValueError(raw)
+            return raw
+        if origin in (types.UnionType, typing.Union):
+            return raw
+    except ValueError as exc:
+        raise ConfigError(f"{PREFIX}{name.upper()}={raw!r} is not a valid {hint}") from exc
+    raise ConfigError(f"unsupported settings type for {name}: {hint}")

@@ -1,0 +1,1 @@
+"""The Flask admin UI and its JSON API (never the workers)."""

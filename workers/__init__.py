@@ -1,0 +1,1 @@
+"""Celery workers: thin tasks that call broker services (never the web UI)."""
