@@ -104,3 +104,12 @@ def db_check(ctx: click.Context) -> None:
         click.echo(f"schema drift: {exc}", err=True)
         sys.exit(1)
     click.echo("models and migrations agree")
+
+
+def _register_subcommands() -> None:
+    from broker import cli_run
+
+    cli_run.register(main)
+
+
+_register_subcommands()

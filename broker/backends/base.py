@@ -1,0 +1,129 @@
+"""The backend seam: the few calls the ownership protocol needs from a place to run pods.
+
+A backend never decides ownership. It creates what it is told, reads back what exists,
+deletes by name only when the caller passes the nonce it expects (so a pod that was
+replaced under the same name is never removed), and lists everything carrying this
+installation's label so the GC can compare the cluster with the ledger.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+# Label keys shared by every backend. Values identify the owner precisely.
+LABEL_INSTALLATION = "sandman.io/installation"
+LABEL_JOB = "sandman.io/job"
+LABEL_SANDBOX = "sandman.io/sandbox"
+LABEL_NONCE = "sandman.io/nonce"
+LABEL_ROLE = "sandman.io/role"
+LABEL_EGRESS = "sandman.io/egress"  # "denied" when the job denies egress
+MANAGED_BY = "app.kubernetes.io/managed-by"
+
+
+@dataclass(frozen=True)
+class PodSpec:
+    """What to create: one sandbox pod. ``token`` is the execd bearer token (secret)."""
+
+    name: str
+    namespace: str
+    installation: str
+    job: str
+    sandbox_id: str
+    nonce: str
+    role: str
+    image: str
+    cpu_m: int
+    memory_b: int
+    token: str = field(repr=False)
+    workdir: str = "/"
+    env: dict[str, str] = field(default_factory=dict)
+    node_selector: dict[str, str] = field(default_factory=dict)
+    tolerations: list[dict[str, object]] = field(default_factory=list)
+    egress_denied: bool = False
+    simulated_readiness: bool = False
+
+    def labels(self) -> dict[str, str]:
+        labels = {
+            LABEL_INSTALLATION: self.installation,
+            LABEL_JOB: self.job,
+            LABEL_SANDBOX: self.sandbox_id,
+            LABEL_NONCE: self.nonce,
+            LABEL_ROLE: self.role,
+            MANAGED_BY: "sandman-broker",
+        }
+        if self.egress_denied:
+            labels[LABEL_EGRESS] = "denied"
+        return labels
+
+
+@dataclass(frozen=True)
+class PodInfo:
+    """What exists: a read-back of one pod, enough to decide ownership and readiness."""
+
+    name: str
+    namespace: str
+    labels: dict[str, str]
+    phase: str  # Pending | Running | Succeeded | Failed | Unknown
+    ready: bool
+    ip: str | None = None
+    node: str | None = None
+    deleting: bool = False
+    created_at: dt.datetime | None = None
+    address: str | None = None  # host:port where execd answers
+    image_pull_s: float | None = None
+    start_s: float | None = None
+    reason: str | None = None  # e.g. ErrImageNeverPull, CrashLoopBackOff
+
+    @property
+    def nonce(self) -> str | None:
+        return self.labels.get(LABEL_NONCE)
+
+    @property
+    def installation(self) -> str | None:
+        return self.labels.get(LABEL_INSTALLATION)
+
+    @property
+    def terminal_failure(self) -> bool:
+        """A pod that will never become Ready on its own."""
+        return self.phase in ("Failed", "Succeeded") or self.reason in FATAL_REASONS
+
+
+FATAL_REASONS = frozenset({
+    "ErrImageNeverPull", "InvalidImageName", "ImagePullBackOff", "ErrImagePull",
+    "CreateContainerConfigError", "CreateContainerError", "CrashLoopBackOff",
+})
+
+
+class Backend(Protocol):
+    """The operations the provider needs. Errors are broker.errors.Kube* types."""
+
+    name: str
+
+    def ensure_job_owner(self, namespace: str, job: str) -> None:
+        """Create (idempotently) the per-job owner object that pods reference."""
+
+    def ensure_egress_guard(self, namespace: str, job: str, allow: list[str]) -> None:
+        """Install the per-job deny-egress policy; must exist before any denied pod."""
+
+    def has_egress_guard(self, namespace: str, job: str) -> bool: ...
+
+    def create(self, spec: PodSpec) -> PodInfo:
+        """Submit the pod. Raises KubeConflict when the name exists (read back then)."""
+
+    def get(self, namespace: str, name: str) -> PodInfo | None: ...
+
+    def delete(self, namespace: str, name: str, nonce: str) -> bool:
+        """Delete only if the live pod carries ``nonce``; True when it is gone or going."""
+
+    def list_installation(self, namespace: str, installation: str) -> list[PodInfo]: ...
+
+    def list_all_labelled(self, namespace: str) -> list[PodInfo]:
+        """Every pod with our label keys, any installation: foreign ones are reported."""
+
+    def watch_ready(
+        self, namespace: str, names: set[str], timeout_s: float
+    ) -> Iterator[PodInfo]:
+        """Yield pod read-backs as they change, until ``timeout_s`` passes."""

@@ -1,0 +1,194 @@
+"""Ledger operations. Callers own the transaction; every transition appends its event in it.
+
+The intent row (``new_intent``) must be COMMITTED before the backend create call: that
+commit is what makes every pod we might create provably ours (nonce + deterministic name).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import hmac
+import secrets
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from broker.errors import IllegalTransition, InvalidRequest, UnknownJob
+from broker.ledger.models import Event, Job, Leak, Sandbox, new_id, utcnow
+from broker.ledger.states import Role, State, can_transition
+
+_STAMP = {
+    State.CREATING: "creating_at",
+    State.READY: "ready_at",
+    State.RELEASING: "releasing_at",
+    State.DELETED: "deleted_at",
+    State.FAILED: "failed_at",
+    State.ABANDONED: "abandoned_at",
+}
+
+
+def pod_name_for(sandbox_id: str) -> str:
+    """Deterministic per row, so a retried create hits 409 instead of making a twin."""
+    return f"sm-{sandbox_id}"
+
+
+def hash_token(token: str) -> str:
+    return "sha256:" + hashlib.sha256(token.encode()).hexdigest()
+
+
+def token_matches(token: str, token_hash: str | None) -> bool:
+    return token_hash is not None and hmac.compare_digest(hash_token(token), token_hash)
+
+
+def get_job(session: Session, name: str) -> Job:
+    job = session.get(Job, name)
+    if job is None:
+        raise UnknownJob(f"unknown job {name!r}: create it first (sandman job create)")
+    return job
+
+
+def ensure_job(session: Session, name: str, **config: Any) -> Job:
+    """Create the job with defaults, or update the given fields of an existing one."""
+    if not name or len(name) > 63 or not all(c.isalnum() or c in "-." for c in name):
+        raise InvalidRequest(f"job name {name!r} must be 1-63 chars of [A-Za-z0-9.-]")
+    job = session.get(Job, name)
+    if job is None:
+        job = Job(name=name, egress_allow=[], node_selector={}, tolerations=[], warm_pools=[])
+        session.add(job)
+    for key, value in config.items():
+        if not hasattr(Job, key):
+            raise InvalidRequest(f"unknown job setting {key!r}")
+        setattr(job, key, value)
+    session.flush()
+    return job
+
+
+def new_intent(
+    session: Session,
+    *,
+    job: str,
+    installation: str,
+    namespace: str,
+    image: str,
+    cpu_m: int,
+    memory_b: int,
+    role: Role = Role.ROLLOUT,
+    request_id: str | None = None,
+    backend: str = "kubernetes",
+    image_digest: str | None = None,
+    base_commit: str | None = None,
+    pool_key: str | None = None,
+    token_hash: str | None = None,
+    egress_denied: bool = False,
+    enqueued_at: dt.datetime | None = None,
+    actor: str = "broker",
+) -> Sandbox:
+    """Add the intent row (state ``requested``) with a fresh nonce; the caller commits."""
+    sandbox_id = new_id()
+    row = Sandbox(
+        id=sandbox_id,
+        job=job,
+        installation=installation,
+        request_id=request_id,
+        nonce=secrets.token_hex(16),
+        pod_name=pod_name_for(sandbox_id),
+        namespace=namespace,
+        backend=backend,
+        image=image,
+        image_digest=image_digest,
+        base_commit=base_commit,
+        cpu_m=cpu_m,
+        memory_b=memory_b,
+        role=role,
+        state=State.REQUESTED,
+        pool_key=pool_key,
+        token_hash=token_hash,
+        egress_denied=egress_denied,
+        requested_at=utcnow(),
+        enqueued_at=enqueued_at,
+        reuse_count=0,
+        create_attempts=0,
+        delete_attempts=0,
+    )
+    session.add(row)
+    session.flush()
+    append_event(session, row, kind="transition", action="intent", to_state=State.REQUESTED,
+                 actor=actor, detail={"request_id": request_id, "image": image})
+    return row
+
+
+def transition(
+    session: Session,
+    row: Sandbox,
+    target: State,
+    *,
+    actor: str = "broker",
+    error: str | None = None,
+    detail: dict[str, Any] | None = None,
+) -> None:
+    """Move ``row`` to ``target`` or raise IllegalTransition; appends the event row."""
+    current = State(row.state)
+    if not can_transition(current, target):
+        raise IllegalTransition(f"sandbox {row.id}: {current} -> {target} is not allowed")
+    row.state = target
+    stamp = _STAMP.get(target)
+    if stamp:
+        setattr(row, stamp, utcnow())
+    if error is not None:
+        row.last_error = error[:4000]
+    append_event(session, row, kind="transition", action=str(target), from_state=current,
+                 to_state=target, actor=actor, outcome="error" if error else "ok",
+                 detail={**(detail or {}), **({"error": error[:1000]} if error else {})})
+
+
+def append_event(
+    session: Session,
+    row: Sandbox | None,
+    *,
+    kind: str,
+    action: str,
+    from_state: str | None = None,
+    to_state: str | None = None,
+    outcome: str | None = None,
+    actor: str = "broker",
+    detail: dict[str, Any] | None = None,
+    job: str | None = None,
+    pod_name: str | None = None,
+    nonce: str | None = None,
+) -> Event:
+    event = Event(
+        at=utcnow(),
+        sandbox_id=row.id if row else None,
+        job=row.job if row else job,
+        pod_name=row.pod_name if row else pod_name,
+        nonce=row.nonce if row else nonce,
+        kind=kind,
+        action=action,
+        from_state=str(from_state) if from_state else None,
+        to_state=str(to_state) if to_state else None,
+        outcome=outcome,
+        actor=actor,
+        detail=detail or {},
+    )
+    session.add(event)
+    return event
+
+
+def by_request(session: Session, request_id: str) -> Sandbox | None:
+    return session.scalars(select(Sandbox).where(Sandbox.request_id == request_id)).first()
+
+
+def lock_row(session: Session, sandbox_id: str) -> Sandbox | None:
+    """Row lock for the duration of the caller's transaction (one writer per sandbox)."""
+    return session.scalars(
+        select(Sandbox).where(Sandbox.id == sandbox_id).with_for_update()
+    ).first()
+
+
+def record_leak(session: Session, kind: str, **fields: Any) -> Leak:
+    leak = Leak(kind=kind, detected_at=utcnow(), detail=fields.pop("detail", {}), **fields)
+    session.add(leak)
+    session.flush()
+    return leak
