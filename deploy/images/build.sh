@@ -13,7 +13,7 @@ SUITE=bookworm
 MIRROR="${SANDMAN_DEBIAN_MIRROR:-}"
 if [[ -z "$MIRROR" ]]; then
   MIRROR="$(grep -hoE '^(URIs:|deb) +[^ ]+' /etc/apt/sources.list /etc/apt/sources.list.d/* 2>/dev/null \
-            | awk '{print $2}' | grep -v security | head -1)"
+            | awk '{print $2}' | grep -v security | head -1 || true)"
   MIRROR="${MIRROR:-http://deb.debian.org/debian}"
 fi
 BASE_PACKAGES="bash,python3,git,ca-certificates,procps"

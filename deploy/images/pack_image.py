@@ -10,6 +10,7 @@ The result can be loaded with `ctr -n k8s.io images import FILE` (or `docker loa
 Each --layer is an uncompressed tar of a filesystem diff (paths relative to /).
 Only the standard library is used.
 """
+
 import argparse
 import hashlib
 import io
@@ -38,7 +39,9 @@ def add_bytes(tar, name, data):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--out", required=True)
     p.add_argument("--tag", action="append", required=True)
     p.add_argument("--layer", action="append", required=True)
@@ -60,8 +63,10 @@ def main(argv=None):
             "Labels": dict(kv.split("=", 1) for kv in a.label) or None,
         },
         "rootfs": {"type": "layers", "diff_ids": ["sha256:" + d for d in diff_ids]},
-        "history": [{"created": FIXED_TIME, "created_by": "sandman pack_image.py layer %d" % i}
-                    for i in range(len(diff_ids))],
+        "history": [
+            {"created": FIXED_TIME, "created_by": "sandman pack_image.py layer %d" % i}
+            for i in range(len(diff_ids))
+        ],
     }
     if a.cmd:
         cfg["config"]["Cmd"] = json.loads(a.cmd)
@@ -75,7 +80,7 @@ def main(argv=None):
     tmp = a.out + ".tmp"
     with tarfile.open(tmp, "w", format=tarfile.PAX_FORMAT) as tar:
         seen = set()
-        for layer, name in zip(a.layer, layer_names):
+        for layer, name in zip(a.layer, layer_names, strict=False):
             if name in seen:
                 continue
             seen.add(name)

@@ -61,17 +61,30 @@ build_kwok() {
   record_time "kwok-$KWOK_VERSION" $((SECONDS - t0))
 }
 
+build_crictl() {
+  [[ -x "$CRICTL_BIN/crictl" ]] && { log "crictl $CRICTL_VERSION cached"; return; }
+  local tmp="$CRICTL_BIN.tmp.$$"; mkdir -p "$tmp"
+  log "building crictl $CRICTL_VERSION"
+  local t0=$SECONDS
+  (cd "$GOBUILD/crictl" && go build -mod=mod \
+     -ldflags "-s -w -X sigs.k8s.io/cri-tools/pkg/version.Version=$CRICTL_VERSION" \
+     -o "$tmp/crictl" sigs.k8s.io/cri-tools/cmd/crictl)
+  mkdir -p "$(dirname "$CRICTL_BIN")"; rm -rf "$CRICTL_BIN"; mv "$tmp" "$CRICTL_BIN"
+  record_time "crictl-$CRICTL_VERSION" $((SECONDS - t0))
+}
+
 build_images() {
   "$REPO_ROOT/deploy/images/build.sh"
 }
 
-parts=("$@"); [[ ${#parts[@]} -eq 0 ]] && parts=(etcd kwok k8s images)
+parts=("$@"); [[ ${#parts[@]} -eq 0 ]] && parts=(etcd kwok k8s crictl images)
 for part in "${parts[@]}"; do
   case "$part" in
     k8s) build_k8s ;;
     etcd) build_etcd ;;
     kwok) build_kwok ;;
+    crictl) build_crictl ;;
     images) build_images ;;
-    *) die "unknown part $part (k8s|etcd|kwok|images)" ;;
+    *) die "unknown part $part (k8s|etcd|kwok|crictl|images)" ;;
   esac
 done

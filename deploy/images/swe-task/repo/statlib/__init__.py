@@ -1,4 +1,5 @@
 """statlib: tiny descriptive statistics helpers (Sandman SWE-style demo task)."""
+
 from .stats import mean, median
 
 __all__ = ["mean", "median"]

@@ -1,0 +1,330 @@
+#!/usr/bin/env bash
+# Start the Sandman local Kubernetes cluster (idempotent).
+#   etcd, kube-apiserver, kube-controller-manager, kube-scheduler  (local processes)
+#   kwok managing $KWOK_NODE_COUNT fake nodes (label type=kwok)
+#   one real node: kubelet + containerd + runc + CNI bridge (label sandman.io/node-kind=real)
+# Builds what is missing from the cache first. Prints the admin kubeconfig path on stdout.
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+T0=$SECONDS
+
+mkdir -p "$STATE"/{logs,pids,run} "$STATE/cni/net.d" "$STATE/cni/ipam"
+LOGS="$STATE/logs"; PIDS="$STATE/pids"
+KUBECTL="$K8S_BIN/kubectl"
+kc() { "$KUBECTL" --kubeconfig "$KUBECONFIG_PATH" "$@"; }
+
+# ---------------------------------------------------------------- helpers
+alive() { # NAME -> 0 if the recorded pid is alive and still runs the recorded binary
+  local pf="$PIDS/$1.pid" pid exe
+  [[ -s "$pf" ]] || return 1
+  read -r pid exe < "$pf"
+  [[ -n "$pid" && -d /proc/$pid ]] || return 1
+  [[ "$(readlink -f /proc/$pid/exe 2>/dev/null)" == "$(readlink -f "$exe")" ]]
+}
+
+start() { # NAME BINARY ARGS...  (no-op when already running)
+  local name="$1" bin="$2"; shift 2
+  if alive "$name"; then return 0; fi
+  log "starting $name"
+  echo "=== $(date -Is) start: $bin $*" >> "$LOGS/$name.log"
+  setsid nohup "$bin" "$@" >> "$LOGS/$name.log" 2>&1 < /dev/null &
+  echo "$! $bin" > "$PIDS/$name.pid"
+}
+
+wait_for() { # DESCRIPTION TIMEOUT_S COMMAND...
+  local what="$1" timeout="$2"; shift 2
+  local deadline=$((SECONDS + timeout))
+  until "$@" >/dev/null 2>&1; do
+    if (( SECONDS > deadline )); then die "timed out after ${timeout}s waiting for $what (logs: $LOGS)"; fi
+    sleep 0.5
+  done
+}
+
+proc_running_or_die() { alive "$1" || { tail -30 "$LOGS/$1.log" >&2; die "$1 exited (log: $LOGS/$1.log)"; }; }
+
+# ---------------------------------------------------------------- fast path
+all_names=(etcd kube-apiserver kube-controller-manager kube-scheduler kwok containerd kubelet)
+fast=1
+for n in "${all_names[@]}"; do alive "$n" || fast=0; done
+if [[ $fast = 1 && -x "$KUBECTL" ]] && \
+   kc get --raw /readyz >/dev/null 2>&1 && \
+   [[ "$(kc get node "$REAL_NODE_NAME" -o jsonpath='{.status.conditions[?(@.type=="Ready")].status}' 2>/dev/null)" == True ]]; then
+  log "cluster already up ($((SECONDS - T0))s)"
+  echo "$KUBECONFIG_PATH"
+  exit 0
+fi
+
+# ---------------------------------------------------------------- host packages
+need_pkgs=()
+for p in containerd runc containernetworking-plugins debootstrap openssl gcc libc6-dev iproute2 curl; do
+  dpkg -s "$p" >/dev/null 2>&1 || need_pkgs+=("$p")
+done
+if (( ${#need_pkgs[@]} )); then
+  log "installing Debian packages: ${need_pkgs[*]}"
+  apt-get update -qq >/dev/null
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need_pkgs[@]}" >/dev/null
+fi
+
+# ---------------------------------------------------------------- build (cached)
+"$LC_DIR/build.sh" >&2
+"$LC_DIR/pki.sh"
+PKI="$STATE/pki"
+
+# ---------------------------------------------------------------- host network: bridge
+if ! ip link show "$BRIDGE_NAME" >/dev/null 2>&1; then
+  log "creating bridge $BRIDGE_NAME ($BRIDGE_IP/24)"
+  ip link add "$BRIDGE_NAME" type bridge
+fi
+ip addr show dev "$BRIDGE_NAME" | grep -q "inet $BRIDGE_IP/" || ip addr add "$BRIDGE_IP/24" dev "$BRIDGE_NAME"
+ip link set "$BRIDGE_NAME" up
+
+# ---------------------------------------------------------------- etcd
+start etcd "$ETCD_BIN/etcd" \
+  --name sandman --data-dir "$STATE/etcd" \
+  --listen-client-urls "http://127.0.0.1:$ETCD_CLIENT_PORT" \
+  --advertise-client-urls "http://127.0.0.1:$ETCD_CLIENT_PORT" \
+  --listen-peer-urls "http://127.0.0.1:$ETCD_PEER_PORT" \
+  --initial-advertise-peer-urls "http://127.0.0.1:$ETCD_PEER_PORT" \
+  --initial-cluster "sandman=http://127.0.0.1:$ETCD_PEER_PORT" \
+  --quota-backend-bytes $((8 * 1024 * 1024 * 1024)) \
+  --auto-compaction-mode periodic --auto-compaction-retention 5m \
+  --snapshot-count 50000 --log-level warn
+wait_for "etcd health" 60 curl -fsS "http://127.0.0.1:$ETCD_CLIENT_PORT/health"
+
+# ---------------------------------------------------------------- kube-apiserver
+start kube-apiserver "$K8S_BIN/kube-apiserver" \
+  --etcd-servers "http://127.0.0.1:$ETCD_CLIENT_PORT" \
+  --bind-address 0.0.0.0 --secure-port "$APISERVER_PORT" --advertise-address "$BRIDGE_IP" \
+  --tls-cert-file "$PKI/apiserver.crt" --tls-private-key-file "$PKI/apiserver.key" \
+  --client-ca-file "$PKI/ca.crt" \
+  --kubelet-client-certificate "$PKI/apiserver-kubelet-client.crt" \
+  --kubelet-client-key "$PKI/apiserver-kubelet-client.key" \
+  --kubelet-preferred-address-types InternalIP,Hostname \
+  --service-account-key-file "$PKI/sa.pub" --service-account-signing-key-file "$PKI/sa.key" \
+  --service-account-issuer https://kubernetes.default.svc.cluster.local \
+  --api-audiences https://kubernetes.default.svc.cluster.local \
+  --service-cluster-ip-range "$SERVICE_CIDR" \
+  --authorization-mode Node,RBAC \
+  --allow-privileged=true \
+  --max-requests-inflight 3000 --max-mutating-requests-inflight 1500 \
+  --event-ttl 30m \
+  --profiling=false \
+  --v 1
+wait_for "kube-apiserver /readyz" 120 curl -fsS --cacert "$PKI/ca.crt" "https://127.0.0.1:$APISERVER_PORT/readyz"
+proc_running_or_die kube-apiserver
+
+# ---------------------------------------------------------------- controller-manager, scheduler
+start kube-controller-manager "$K8S_BIN/kube-controller-manager" \
+  --kubeconfig "$STATE/controller-manager.kubeconfig" \
+  --authentication-kubeconfig "$STATE/controller-manager.kubeconfig" \
+  --authorization-kubeconfig "$STATE/controller-manager.kubeconfig" \
+  --bind-address 127.0.0.1 --secure-port "$KCM_PORT" \
+  --leader-elect=false \
+  --service-account-private-key-file "$PKI/sa.key" --root-ca-file "$PKI/ca.crt" \
+  --use-service-account-credentials=true \
+  --cluster-signing-cert-file "$PKI/ca.crt" --cluster-signing-key-file "$PKI/ca.key" \
+  --kube-api-qps 400 --kube-api-burst 800 \
+  --concurrent-gc-syncs 50 --concurrent-namespace-syncs 20 \
+  --concurrent-serviceaccount-token-syncs 10 \
+  --controllers '*,-nodeipam,-service-lb-controller,-cloud-node-lifecycle-controller,-route-controller' \
+  --profiling=false --v 1
+
+cat > "$STATE/scheduler-config.yaml" <<YAML
+apiVersion: kubescheduler.config.k8s.io/v1
+kind: KubeSchedulerConfiguration
+clientConnection:
+  kubeconfig: $STATE/scheduler.kubeconfig
+  qps: 400
+  burst: 800
+leaderElection:
+  leaderElect: false
+parallelism: 16
+YAML
+start kube-scheduler "$K8S_BIN/kube-scheduler" \
+  --config "$STATE/scheduler-config.yaml" \
+  --authentication-kubeconfig "$STATE/scheduler.kubeconfig" \
+  --authorization-kubeconfig "$STATE/scheduler.kubeconfig" \
+  --bind-address 127.0.0.1 --secure-port "$SCHED_PORT" --profiling=false --v 1
+
+# ---------------------------------------------------------------- kwok fake nodes
+zones=(zone-a zone-b zone-c)
+nodes_yaml="$STATE/run/kwok-nodes.yaml"; : > "$nodes_yaml"
+for ((i = 0; i < KWOK_NODE_COUNT; i++)); do
+  name="kwok-node-$i"; zone="${zones[$((i % 3))]}"
+  cat >> "$nodes_yaml" <<YAML
+---
+apiVersion: v1
+kind: Node
+metadata:
+  name: $name
+  annotations:
+    kwok.x-k8s.io/node: fake
+    node.alpha.kubernetes.io/ttl: "0"
+  labels:
+    type: kwok
+    sandman.io/node-kind: kwok
+    kubernetes.io/hostname: $name
+    kubernetes.io/os: linux
+    kubernetes.io/arch: amd64
+    node-role.kubernetes.io/agent: ""
+    topology.kubernetes.io/zone: $zone
+    topology.kubernetes.io/region: local
+spec:
+  podCIDR: 10.$((128 + i / 64)).$(( (i % 64) * 4 )).0/22
+  podCIDRs: [10.$((128 + i / 64)).$(( (i % 64) * 4 )).0/22]
+  taints:
+  - key: kwok.x-k8s.io/node
+    value: fake
+    effect: NoSchedule
+YAML
+done
+# create only missing nodes (spec.podCIDR is immutable, so never re-apply)
+existing="$(kc get nodes -l type=kwok -o name 2>/dev/null | sed 's#node/##' | sort)"
+missing=0
+for ((i = 0; i < KWOK_NODE_COUNT; i++)); do grep -qx "kwok-node-$i" <<<"$existing" || missing=1; done
+if [[ $missing = 1 ]]; then
+  log "creating kwok nodes"
+  kc create -f "$nodes_yaml" 2>&1 | grep -v AlreadyExists >&2 || true
+fi
+for ((i = 0; i < KWOK_NODE_COUNT; i++)); do
+  kc patch node "kwok-node-$i" --subresource=status --type=merge -p \
+    "{\"status\":{\"capacity\":{\"cpu\":\"64\",\"memory\":\"256Gi\",\"pods\":\"$KWOK_NODE_PODS\",\"ephemeral-storage\":\"1Ti\"},\"allocatable\":{\"cpu\":\"64\",\"memory\":\"256Gi\",\"pods\":\"$KWOK_NODE_PODS\",\"ephemeral-storage\":\"1Ti\"}}}" >/dev/null
+done
+start kwok "$KWOK_BIN/kwok" \
+  --kubeconfig "$STATE/kwok.kubeconfig" \
+  --config "$LC_DIR/kwok-stages.yaml" \
+  --manage-nodes-with-label-selector type=kwok \
+  --node-lease-duration-seconds 40 \
+  --server-address "127.0.0.1:$KWOK_PORT" \
+  --node-ip 127.0.0.1
+
+# ---------------------------------------------------------------- containerd + CNI
+cat > "$CNI_CONF_DIR/10-sandman.conflist" <<JSON
+{
+  "cniVersion": "1.0.0",
+  "name": "sandman",
+  "plugins": [
+    {
+      "type": "bridge",
+      "bridge": "$BRIDGE_NAME",
+      "isGateway": true,
+      "ipMasq": false,
+      "hairpinMode": true,
+      "ipam": {
+        "type": "host-local",
+        "dataDir": "$STATE/cni/ipam",
+        "ranges": [[{"subnet": "$POD_CIDR", "gateway": "$BRIDGE_IP"}]],
+        "routes": [{"dst": "0.0.0.0/0"}]
+      }
+    }
+  ]
+}
+JSON
+mkdir -p "$CTRD_ROOT" "$CTRD_STATE"
+cat > "$STATE/containerd/config.toml" <<TOML
+version = 2
+root = "$CTRD_ROOT"
+state = "$CTRD_STATE"
+disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapshotter.v1.zfs", "io.containerd.snapshotter.v1.devmapper", "io.containerd.snapshotter.v1.aufs", "io.containerd.internal.v1.opt", "io.containerd.tracing.processor.v1.otlp"]
+
+[grpc]
+  address = "$CTRD_SOCK"
+[ttrpc]
+  address = "$CTRD_SOCK.ttrpc"
+[debug]
+  level = "info"
+[metrics]
+  address = ""
+
+[plugins."io.containerd.grpc.v1.cri"]
+  sandbox_image = "$PAUSE_IMAGE"
+  enable_selinux = false
+  disable_apparmor = true
+  restrict_oom_score_adj = false
+  max_container_log_line_size = 65536
+  [plugins."io.containerd.grpc.v1.cri".containerd]
+    snapshotter = "overlayfs"
+    default_runtime_name = "runc"
+    discard_unpacked_layers = false
+    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+      runtime_type = "io.containerd.runc.v2"
+      [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
+        SystemdCgroup = false
+        BinaryName = "/usr/sbin/runc"
+  [plugins."io.containerd.grpc.v1.cri".cni]
+    bin_dir = "$CNI_BIN_DIR"
+    conf_dir = "$CNI_CONF_DIR"
+    max_conf_num = 1
+TOML
+start containerd /usr/bin/containerd --config "$STATE/containerd/config.toml"
+CTR=(ctr --address "$CTRD_SOCK" -n k8s.io)
+wait_for "containerd socket" 60 "${CTR[@]}" version
+
+# ---------------------------------------------------------------- images
+present="$("${CTR[@]}" images ls -q 2>/dev/null || true)"
+while IFS=$'\t' read -r ref tarball; do
+  [[ -n "$ref" ]] || continue
+  # re-import when the ref is missing or was imported from another tarball
+  marker="$STATE/run/imported-$(basename "$tarball")"
+  if grep -qx "$ref" <<<"$present" && [[ -e "$marker" ]]; then continue; fi
+  log "importing $ref"
+  "${CTR[@]}" images import --no-unpack=false --snapshotter overlayfs "$tarball" >/dev/null
+  touch "$marker"
+done < "$IMAGES_CACHE/index.tsv"
+
+# ---------------------------------------------------------------- kubelet (real node)
+mkdir -p "$STATE/kubelet"
+cat > "$STATE/kubelet-config.yaml" <<YAML
+apiVersion: kubelet.config.k8s.io/v1beta1
+kind: KubeletConfiguration
+address: $BRIDGE_IP
+port: $KUBELET_PORT
+readOnlyPort: 0
+healthzBindAddress: 127.0.0.1
+healthzPort: $KUBELET_HEALTHZ_PORT
+authentication:
+  anonymous: {enabled: false}
+  webhook: {enabled: true}
+  x509: {clientCAFile: $PKI/ca.crt}
+authorization: {mode: Webhook}
+tlsCertFile: $PKI/kubelet-serving.crt
+tlsPrivateKeyFile: $PKI/kubelet-serving.key
+containerRuntimeEndpoint: unix://$CTRD_SOCK
+cgroupDriver: cgroupfs
+failCgroupV1: false
+failSwapOn: false
+clusterDomain: cluster.local
+resolvConf: /etc/resolv.conf
+maxPods: 110
+podCIDR: $POD_CIDR
+imageGCHighThresholdPercent: 100
+imageGCLowThresholdPercent: 99
+evictionHard:
+  memory.available: "100Mi"
+  nodefs.available: "2%"
+  imagefs.available: "2%"
+serializeImagePulls: false
+kubeAPIQPS: 50
+kubeAPIBurst: 100
+YAML
+start kubelet "$K8S_BIN/kubelet" \
+  --config "$STATE/kubelet-config.yaml" \
+  --kubeconfig "$STATE/kubelet.kubeconfig" \
+  --root-dir "$STATE/kubelet" --cert-dir "$STATE/kubelet/pki" \
+  --hostname-override "$REAL_NODE_NAME" --node-ip "$BRIDGE_IP" \
+  --node-labels "sandman.io/node-kind=real,topology.kubernetes.io/zone=zone-real" \
+  --v 1
+
+# ---------------------------------------------------------------- wait for readiness
+node_ready() { [[ "$(kc get node "$1" -o jsonpath='{.status.conditions[?(@.type=="Ready")].status}' 2>/dev/null)" == True ]]; }
+kwok_ready() {
+  local n; n="$(kc get nodes -l type=kwok -o jsonpath='{range .items[*]}{.status.conditions[?(@.type=="Ready")].status}{"\n"}{end}' | grep -c True)"
+  [[ "$n" -ge "$KWOK_NODE_COUNT" ]]
+}
+wait_for "kwok nodes Ready" 120 kwok_ready
+for n in kube-controller-manager kube-scheduler kwok containerd kubelet; do proc_running_or_die "$n"; done
+wait_for "real node $REAL_NODE_NAME Ready" 180 node_ready "$REAL_NODE_NAME"
+wait_for "default serviceaccount" 60 kc get serviceaccount default -n default
+
+log "cluster up in $((SECONDS - T0))s; nodes:"
+kc get nodes -L sandman.io/node-kind,topology.kubernetes.io/zone --no-headers 2>&1 | head -30 >&2
+echo "$KUBECONFIG_PATH"

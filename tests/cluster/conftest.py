@@ -1,0 +1,139 @@
+"""Fixtures for the cluster tier: a real Kubernetes API server.
+
+By default the session brings up the local cluster with ``deploy/localcluster/up.sh``
+(idempotent; fast when it is already running). Set ``SANDMAN_TEST_KUBECONFIG`` to use
+another cluster instead. Under ``CI=true`` a cluster that cannot be reached FAILS the
+run; on a developer machine the cluster tests are skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+UP_SCRIPT = REPO_ROOT / "deploy" / "localcluster" / "up.sh"
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+UP_TIMEOUT_S = int(os.environ.get("SANDMAN_CLUSTER_UP_TIMEOUT", "5400"))
+
+# Images built by deploy/images/build.sh and imported by up.sh.
+TASK_BASE_IMAGE = "localhost/sandman-task-base:v1"
+SWE_TASK_IMAGE = "localhost/sandman-swe-task:v1"
+REAL_NODE_SELECTOR = {"sandman.io/node-kind": "real"}
+KWOK_NODE_SELECTOR = {"type": "kwok"}
+KWOK_TOLERATION = {
+    "key": "kwok.x-k8s.io/node",
+    "operator": "Exists",
+    "effect": "NoSchedule",
+}
+
+
+def _unavailable(message: str) -> None:
+    if IN_CI:
+        pytest.fail(message)
+    pytest.skip(message)
+
+
+@pytest.fixture(scope="session")
+def kubeconfig_path() -> str:
+    """Path of an admin kubeconfig for a running cluster."""
+    explicit = os.environ.get("SANDMAN_TEST_KUBECONFIG")
+    if explicit:
+        if not Path(explicit).is_file():
+            _unavailable(f"SANDMAN_TEST_KUBECONFIG={explicit} does not exist")
+        return explicit
+    try:
+        proc = subprocess.run(
+            [str(UP_SCRIPT)],
+            capture_output=True,
+            text=True,
+            timeout=UP_TIMEOUT_S,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        _unavailable(f"local cluster could not be started: {exc}")
+        raise  # unreachable, keeps type checkers happy
+    if proc.returncode != 0:
+        _unavailable(
+            f"deploy/localcluster/up.sh failed (rc={proc.returncode}):\n{proc.stderr[-4000:]}"
+        )
+    path = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
+    if not path or not Path(path).is_file():
+        _unavailable(f"up.sh printed no kubeconfig path (stdout={proc.stdout!r})")
+    return path
+
+
+@pytest.fixture(scope="session")
+def k8s_api_client(kubeconfig_path: str) -> Iterator[Any]:
+    from kubernetes import client, config
+
+    api = config.new_client_from_config(config_file=kubeconfig_path)
+    try:
+        client.VersionApi(api).get_code(_request_timeout=10)
+    except Exception as exc:
+        _unavailable(f"Kubernetes API at {kubeconfig_path} is not answering: {exc}")
+    yield api
+    api.close()
+
+
+@pytest.fixture(scope="session")
+def core_v1(k8s_api_client: Any) -> Any:
+    from kubernetes import client
+
+    return client.CoreV1Api(k8s_api_client)
+
+
+def wait_until(
+    predicate: Callable[[], Any], timeout: float, interval: float = 0.5, what: str = ""
+) -> Any:
+    """Poll ``predicate`` until it returns a truthy value; fail the test on timeout."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = predicate()
+        if last:
+            return last
+        time.sleep(interval)
+    pytest.fail(f"timed out after {timeout}s waiting for {what or predicate} (last={last!r})")
+
+
+@pytest.fixture
+def namespace(core_v1: Any, request: pytest.FixtureRequest) -> Iterator[str]:
+    """A fresh namespace for one test, deleted afterwards."""
+    from kubernetes import client
+    from kubernetes.client.rest import ApiException
+
+    base = request.node.name.lower().replace("_", "-")[:40].strip("-")
+    name = f"lc-{base}-{secrets.token_hex(3)}"
+    core_v1.create_namespace(
+        client.V1Namespace(
+            metadata=client.V1ObjectMeta(name=name, labels={"sandman.io/test": "localcluster"})
+        )
+    )
+
+    def default_sa_exists() -> bool:
+        try:
+            core_v1.read_namespaced_service_account("default", name)
+        except ApiException as exc:
+            if exc.status == 404:
+                return False
+            raise
+        return True
+
+    # ServiceAccount admission rejects pods until the controller-manager has created
+    # the namespace's "default" ServiceAccount (even with automountServiceAccountToken
+    # false), so wait for it.
+    wait_until(default_sa_exists, 60, what=f"serviceaccount {name}/default")
+    yield name
+    try:
+        core_v1.delete_namespace(name, grace_period_seconds=0)
+    except ApiException as exc:
+        if exc.status != 404:
+            raise
