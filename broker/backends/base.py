@@ -91,10 +91,17 @@ class PodInfo:
         return self.phase in ("Failed", "Succeeded") or self.reason in FATAL_REASONS
 
 
-FATAL_REASONS = frozenset({
-    "ErrImageNeverPull", "InvalidImageName", "ImagePullBackOff", "ErrImagePull",
-    "CreateContainerConfigError", "CreateContainerError", "CrashLoopBackOff",
-})
+FATAL_REASONS = frozenset(
+    {
+        "ErrImageNeverPull",
+        "InvalidImageName",
+        "ImagePullBackOff",
+        "ErrImagePull",
+        "CreateContainerConfigError",
+        "CreateContainerError",
+        "CrashLoopBackOff",
+    }
+)
 
 
 class Backend(Protocol):
@@ -123,7 +130,5 @@ class Backend(Protocol):
     def list_all_labelled(self, namespace: str) -> list[PodInfo]:
         """Every pod with our label keys, any installation: foreign ones are reported."""
 
-    def watch_ready(
-        self, namespace: str, names: set[str], timeout_s: float
-    ) -> Iterator[PodInfo]:
+    def watch_ready(self, namespace: str, names: set[str], timeout_s: float) -> Iterator[PodInfo]:
         """Yield pod read-backs as they change, until ``timeout_s`` passes."""

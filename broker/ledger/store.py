@@ -114,8 +114,15 @@ def new_intent(
     )
     session.add(row)
     session.flush()
-    append_event(session, row, kind="transition", action="intent", to_state=State.REQUESTED,
-                 actor=actor, detail={"request_id": request_id, "image": image})
+    append_event(
+        session,
+        row,
+        kind="transition",
+        action="intent",
+        to_state=State.REQUESTED,
+        actor=actor,
+        detail={"request_id": request_id, "image": image},
+    )
     return row
 
 
@@ -138,9 +145,17 @@ def transition(
         setattr(row, stamp, utcnow())
     if error is not None:
         row.last_error = error[:4000]
-    append_event(session, row, kind="transition", action=str(target), from_state=current,
-                 to_state=target, actor=actor, outcome="error" if error else "ok",
-                 detail={**(detail or {}), **({"error": error[:1000]} if error else {})})
+    append_event(
+        session,
+        row,
+        kind="transition",
+        action=str(target),
+        from_state=current,
+        to_state=target,
+        actor=actor,
+        outcome="error" if error else "ok",
+        detail={**(detail or {}), **({"error": error[:1000]} if error else {})},
+    )
 
 
 def append_event(
@@ -157,10 +172,11 @@ def append_event(
     job: str | None = None,
     pod_name: str | None = None,
     nonce: str | None = None,
+    sandbox_id: str | None = None,
 ) -> Event:
     event = Event(
         at=utcnow(),
-        sandbox_id=row.id if row else None,
+        sandbox_id=row.id if row else sandbox_id,
         job=row.job if row else job,
         pod_name=row.pod_name if row else pod_name,
         nonce=row.nonce if row else nonce,
