@@ -239,11 +239,11 @@ class Provider:
                     raise CreateFailed(f"{spec.name} failed to start: {info.reason or info.phase}")
                 if info.ready:
                     break
-            ready = latest is not None and latest.ready and latest.address
-            if ready and (spec.simulated_readiness or self._probe(str(latest.address), token)):
-                assert latest is not None
+            if latest is None or not latest.ready or not latest.address:
+                continue
+            if spec.simulated_readiness or self._probe(latest.address, token):
                 return latest
-            if ready:
+            else:
                 self._sleep(0.1)  # Ready but execd does not answer us yet: poll gently
 
     def _cancelled(self, sandbox_id: str, give_up: threading.Event | None) -> bool:
