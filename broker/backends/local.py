@@ -1,0 +1,343 @@
+"""The local backend: sandboxes as execd processes under bubblewrap, for laptops and CI.
+
+Isolation chosen, and why:
+- own PID, IPC, UTS (and cgroup, where allowed) namespaces; all capabilities dropped;
+  the host root mounted READ-ONLY as the "image" (the image name is recorded, not
+  pulled), a private writable workspace, a private /tmp, the broker's state dir and
+  $HOME hidden behind empty tmpfs (they hold the database and Redis passwords), and the
+  repository's execd bound read-only at /sandman/execd.
+- NOT a network namespace: execd must stay reachable from the broker and trainers on
+  127.0.0.1:<port> in the host netns, and an unshared netns would cut it off. So the
+  local backend cannot deny egress; it reports no egress guard and the provider
+  refuses egress-denied jobs here rather than pretending (GuardMissing).
+- CPU and memory are recorded, not enforced (no cgroup delegation on a laptop).
+
+"Pods" survive broker and worker restarts: the process is started in its own session,
+and its labels, nonce, pid and port live in ``state_dir/local-pods/<name>.json``, so
+get / list / delete-by-nonce and the GC find it again from any process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from broker.backends.base import LABEL_INSTALLATION, LABEL_NONCE, PodInfo, PodSpec
+from broker.errors import GuardMissing, KubeConflict, KubeUnavailable
+from broker.settings import Settings
+
+REPO_ROOT = Path(__file__).resolve().parent.parent.parent
+_SKIP_TOP = frozenset({"proc", "dev", "tmp", "sys", "run", "workspace", "sandman", "lost+found"})
+_children: dict[int, subprocess.Popen[bytes]] = {}
+_children_lock = threading.Lock()
+
+
+def _proc_start(pid: int) -> str | None:
+    """The kernel start time of ``pid`` (guards against PID reuse), None if gone/zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[1].split()
+    if fields[0] in ("Z", "X"):
+        return None
+    return fields[19]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _healthz(port: int, timeout: float = 0.5) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+            sock.sendall(b"GET /healthz HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")
+            head = sock.recv(64)
+            return head.startswith(b"HTTP/1.") and head.split(b" ", 2)[1:2] == [b"200"]
+    except OSError:
+        return False
+
+
+def _sandbox_python(hidden: list[Path]) -> tuple[str, str | None]:
+    """A python3 that is visible inside the sandbox (execd needs only the stdlib).
+
+    Prefer the system interpreter; otherwise use the broker's own, binding its prefix
+    back in when it lives under a directory we hide (pyenv under $HOME, for example).
+    """
+    for candidate in ("/usr/bin/python3", "/usr/local/bin/python3"):
+        if os.access(candidate, os.X_OK):
+            return candidate, None
+    real = os.path.realpath(sys.executable)
+    if any(Path(real).is_relative_to(h) for h in hidden):
+        return real, sys.base_prefix
+    return real, None
+
+
+class LocalBackend:
+    """Backend protocol over bubblewrap processes; see the module docstring."""
+
+    name = "local"
+
+    def __init__(self, settings: Settings, *, execd_dir: Path | None = None) -> None:
+        self.root = Path(settings.state_dir) / "local-pods"
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.hidden = [Path(settings.state_dir), Path.home()]
+        self.execd_dir = execd_dir or REPO_ROOT / "execd"
+        self.python, self.python_prefix = _sandbox_python(self.hidden)
+        self.bwrap = shutil.which("bwrap")
+
+    # -- guards: nothing cluster-side to install locally -------------------------------
+
+    def ensure_job_owner(self, namespace: str, job: str) -> None:
+        return None
+
+    def ensure_egress_guard(self, namespace: str, job: str, allow: list[str]) -> None:
+        raise GuardMissing("the local backend cannot deny egress (execd shares the host netns)")
+
+    def has_egress_guard(self, namespace: str, job: str) -> bool:
+        return False
+
+    # -- pods --------------------------------------------------------------------------
+
+    def _meta_path(self, name: str) -> Path:
+        return self.root / f"{name}.json"
+
+    def _workspace(self, name: str) -> Path:
+        return self.root / name / "workspace"
+
+    def _argv(self, spec: PodSpec, port: int, workspace: Path, info_fd: int) -> list[str]:
+        if self.bwrap is None:
+            raise KubeUnavailable("bubblewrap (bwrap) is not installed: apt-get install bubblewrap")
+        # The root is a fresh tmpfs: every top-level host directory is bound read-only
+        # into it, so mount points for the workspace and execd can be created.
+        argv = [self.bwrap]
+        for entry in sorted(os.listdir("/")):
+            if entry in _SKIP_TOP or not os.path.isdir("/" + entry):
+                continue
+            if os.path.islink("/" + entry):
+                argv += ["--symlink", os.readlink("/" + entry), "/" + entry]
+            else:
+                argv += ["--ro-bind", "/" + entry, "/" + entry]
+        argv += ["--dev", "/dev", "--proc", "/proc"]
+        for hidden in self.hidden:
+            if hidden.exists() and hidden != Path("/"):
+                argv += ["--tmpfs", str(hidden)]
+        workdir = (
+            spec.workdir if spec.workdir.count("/") == 1 and len(spec.workdir) > 1 else "/workspace"
+        )
+        argv += [
+            "--tmpfs",
+            "/tmp",  # noqa: S108 (a private tmpfs inside the sandbox)
+            "--bind",
+            str(workspace),
+            workdir,
+            "--ro-bind",
+            str(self.execd_dir),
+            "/sandman/execd",
+            "--unshare-pid",
+            "--unshare-ipc",
+            "--unshare-uts",
+            "--unshare-cgroup-try",
+            "--hostname",
+            spec.name[:63],
+            "--cap-drop",
+            "ALL",
+            "--chdir",
+            workdir,
+            "--setenv",
+            "HOME",
+            workdir,
+            "--setenv",
+            "PYTHONPATH",
+            "/sandman",
+            "--setenv",
+            "SANDMAN_EXECD_TOKEN",
+            spec.token,
+            "--info-fd",
+            str(info_fd),
+        ]
+        for key, value in spec.env.items():
+            argv += ["--setenv", key, value]
+        argv += [
+            "--",
+            self.python,
+            "-m",
+            "execd",
+            "--listen",
+            f"127.0.0.1:{port}",
+            "--workdir",
+            workdir,
+        ]
+        return argv
+
+    def create(self, spec: PodSpec) -> PodInfo:
+        meta_path = self._meta_path(spec.name)
+        meta: dict[str, Any] = {
+            "name": spec.name,
+            "namespace": spec.namespace,
+            "labels": spec.labels(),
+            "created_at": dt.datetime.now(dt.UTC).isoformat(),
+            "pid": None,
+            "port": None,
+            "cpu_m": spec.cpu_m,
+            "memory_b": spec.memory_b,
+            "image": spec.image,
+        }
+        try:  # O_EXCL: the name is the idempotency key, exactly like a pod name.
+            fd = os.open(meta_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError as exc:
+            raise KubeConflict(f"local pod {spec.name} exists", status=409) from exc
+        with os.fdopen(fd, "w") as fh:
+            json.dump(meta, fh)
+        workspace = self._workspace(spec.name)
+        workspace.mkdir(parents=True, exist_ok=True)
+        port = _free_port()
+        log = (self.root / spec.name / "execd.log").open("ab")
+        read_fd, write_fd = os.pipe()
+        try:
+            proc = subprocess.Popen(
+                self._argv(spec, port, workspace, write_fd),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+                start_new_session=True,
+                pass_fds=(write_fd,),
+            )
+        except (OSError, KubeUnavailable) as exc:
+            os.close(read_fd)
+            meta_path.unlink(missing_ok=True)
+            raise KubeUnavailable(f"cannot start bwrap: {exc}") from exc
+        finally:
+            os.close(write_fd)
+            log.close()
+        with _children_lock:
+            _children[proc.pid] = proc
+        child = self._read_info(read_fd)
+        meta.update(pid=proc.pid, start=_proc_start(proc.pid), child_pid=child, port=port)
+        tmp = meta_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(meta))
+        tmp.replace(meta_path)
+        return self._info(meta)
+
+    @staticmethod
+    def _read_info(read_fd: int) -> int | None:
+        """bwrap writes {"child-pid": N} on --info-fd: N is the PID-namespace init."""
+        with os.fdopen(read_fd, "rb") as fh:
+            data = fh.read()
+        with contextlib.suppress(ValueError):
+            pid = json.loads(data.decode()).get("child-pid")
+            return int(pid) if pid else None
+        return None
+
+    def _load(self, name: str) -> dict[str, Any] | None:
+        try:
+            data: dict[str, Any] = json.loads(self._meta_path(name).read_text())
+        except (OSError, ValueError):
+            return None
+        return data
+
+    def _alive(self, meta: dict[str, Any]) -> bool:
+        pid = meta.get("pid")
+        return pid is not None and _proc_start(int(pid)) == meta.get("start")
+
+    def _info(self, meta: dict[str, Any], *, probe: bool = True) -> PodInfo:
+        alive = self._alive(meta)
+        port = meta.get("port")
+        pending = meta.get("pid") is None
+        ready = alive and port is not None and probe and _healthz(int(port))
+        phase = "Pending" if pending else ("Running" if alive else "Failed")
+        return PodInfo(
+            name=meta["name"],
+            namespace=meta["namespace"],
+            labels=dict(meta["labels"]),
+            phase=phase,
+            ready=bool(ready),
+            ip="127.0.0.1",
+            node=socket.gethostname(),
+            deleting=bool(meta.get("deleting")),
+            created_at=dt.datetime.fromisoformat(meta["created_at"]),
+            address=f"127.0.0.1:{port}" if port else None,
+            reason=None if alive or pending else "ProcessExited",
+        )
+
+    def get(self, namespace: str, name: str) -> PodInfo | None:
+        meta = self._load(name)
+        if meta is None or meta.get("namespace") != namespace:
+            return None
+        return self._info(meta)
+
+    def delete(self, namespace: str, name: str, nonce: str) -> bool:
+        meta = self._load(name)
+        if meta is None:
+            return True
+        if meta["labels"].get(LABEL_NONCE) != nonce:
+            return False  # replaced under the same name: not the pod the caller owns
+        for key in ("child_pid", "pid"):
+            pid = meta.get(key)
+            if pid and (key == "child_pid" or self._alive(meta)):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(int(pid), signal.SIGKILL)  # the PID-ns init: everything inside dies
+        if meta.get("pid") and self._alive(meta):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(int(meta["pid"]), signal.SIGKILL)
+        self._reap(meta.get("pid"))
+        shutil.rmtree(self.root / name, ignore_errors=True)
+        self._meta_path(name).unlink(missing_ok=True)
+        return True
+
+    @staticmethod
+    def _reap(pid: int | None) -> None:
+        with _children_lock:
+            proc = _children.pop(pid, None) if pid else None
+        if proc is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=2)
+
+    def _all(self) -> list[dict[str, Any]]:
+        out = []
+        for path in sorted(self.root.glob("*.json")):
+            meta = self._load(path.stem)
+            if meta is not None:
+                out.append(meta)
+        return out
+
+    def list_installation(self, namespace: str, installation: str) -> list[PodInfo]:
+        return [
+            self._info(m, probe=False)
+            for m in self._all()
+            if m.get("namespace") == namespace
+            and m["labels"].get(LABEL_INSTALLATION) == installation
+        ]
+
+    def list_all_labelled(self, namespace: str) -> list[PodInfo]:
+        return [self._info(m, probe=False) for m in self._all() if m.get("namespace") == namespace]
+
+    def watch_ready(self, namespace: str, names: set[str], timeout_s: float) -> Iterator[PodInfo]:
+        """Poll (50 ms) until every named pod is ready or failed, or the timeout passes."""
+        deadline = time.monotonic() + timeout_s
+        pending = set(names)
+        while pending:
+            for name in sorted(pending):
+                info = self.get(namespace, name)
+                if info is None:
+                    continue
+                if info.ready or info.terminal_failure:
+                    pending.discard(name)
+                    yield info
+            if not pending or time.monotonic() >= deadline:
+                return
+            time.sleep(0.05)
