@@ -1,0 +1,216 @@
+"""The one place the kubernetes client is used; ApiException becomes a typed error here.
+
+Status mapping: 404 KubeNotFound, 409 KubeConflict, 400/422 KubeInvalid, 429
+KubeThrottled (with Retry-After), 5xx and every transport error or timeout
+KubeUnavailable (outcome unknown: the caller reads back). urllib3's own retries are off,
+so a POST is never silently replayed underneath the ownership protocol.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import urllib3
+from kubernetes import client, config, watch
+from kubernetes.client.exceptions import ApiException
+
+from broker.errors import (
+    KubeConflict,
+    KubeError,
+    KubeInvalid,
+    KubeNotFound,
+    KubeThrottled,
+    KubeUnavailable,
+)
+
+T = TypeVar("T")
+REQUEST_TIMEOUT = (5.0, 30.0)  # connect, read
+
+
+def load_api_client(kubeconfig: str = "", *, qps_pool: int = 64) -> client.ApiClient:
+    """An ApiClient from a kubeconfig file, or in-cluster config when none is given."""
+    configuration = client.Configuration()
+    if kubeconfig:
+        config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)
+    else:
+        config.load_incluster_config(client_configuration=configuration)
+    configuration.retries = False
+    configuration.connection_pool_maxsize = qps_pool
+    return client.ApiClient(configuration)
+
+
+def _retry_after(exc: ApiException) -> float | None:
+    headers = exc.headers or {}
+    value = headers.get("Retry-After") or headers.get("retry-after")
+    try:
+        return float(value) if value is not None else None
+    except ValueError:
+        return None
+
+
+def translate(exc: BaseException, what: str) -> KubeError:
+    """Map a client exception to the error tree (never leaks the response body)."""
+    if isinstance(exc, ApiException):
+        status = int(exc.status or 0)
+        message = f"{what}: HTTP {status} {exc.reason or ''}".strip()
+        if status == 404:
+            return KubeNotFound(message, status=status)
+        if status == 409:
+            return KubeConflict(message, status=status)
+        if status in (400, 422):
+            return KubeInvalid(f"{message}: {_reason_message(exc)}", status=status)
+        if status == 429:
+            return KubeThrottled(message, status=status, retry_after=_retry_after(exc))
+        if status >= 500 or status == 0:
+            return KubeUnavailable(message, status=status or None)
+        return KubeError(message, status=status)
+    return KubeUnavailable(f"{what}: {type(exc).__name__}: {exc}")
+
+
+def _reason_message(exc: ApiException) -> str:
+    import json
+
+    try:
+        return str(json.loads(exc.body or "{}").get("message", ""))[:500]
+    except (ValueError, AttributeError):
+        return ""
+
+
+_TRANSPORT = (urllib3.exceptions.HTTPError, OSError, TimeoutError)
+
+
+def call(what: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """Invoke one API call with a request timeout; translate every failure."""
+    kwargs.setdefault("_request_timeout", REQUEST_TIMEOUT)
+    try:
+        return fn(*args, **kwargs)
+    except (ApiException, *_TRANSPORT) as exc:
+        raise translate(exc, what) from exc
+
+
+class Kube:
+    """Thin typed facade over the few API groups the broker uses."""
+
+    def __init__(self, api_client: client.ApiClient) -> None:
+        self.api_client = api_client
+        self.core = client.CoreV1Api(api_client)
+        self.net = client.NetworkingV1Api(api_client)
+
+    def sanitize(self, obj: Any) -> dict[str, Any]:
+        result: dict[str, Any] = self.api_client.sanitize_for_serialization(obj)
+        return result
+
+    def create_pod(self, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
+        return self.sanitize(call("create pod", self.core.create_namespaced_pod, namespace, body))
+
+    def get_pod(self, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            return self.sanitize(call("read pod", self.core.read_namespaced_pod, name, namespace))
+        except KubeNotFound:
+            return None
+
+    def delete_pod(self, namespace: str, name: str, *, uid: str | None, grace_s: int = 0) -> None:
+        """Delete with a UID precondition, so a same-named replacement is never removed."""
+        options = client.V1DeleteOptions(
+            grace_period_seconds=grace_s,
+            propagation_policy="Background",
+            preconditions=client.V1Preconditions(uid=uid) if uid else None,
+        )
+        call("delete pod", self.core.delete_namespaced_pod, name, namespace, body=options)
+
+    def list_pods(self, namespace: str, selector: str) -> tuple[list[dict[str, Any]], str]:
+        """All pods matching ``selector`` (paged), and the list's resourceVersion."""
+        items: list[dict[str, Any]] = []
+        token: str | None = None
+        version = ""
+        while True:
+            page = call(
+                "list pods",
+                self.core.list_namespaced_pod,
+                namespace,
+                label_selector=selector,
+                limit=2000,
+                _continue=token,
+            )
+            data = self.sanitize(page)
+            items.extend(data.get("items") or [])
+            version = (data.get("metadata") or {}).get("resourceVersion", "")
+            token = (data.get("metadata") or {}).get("continue")
+            if not token:
+                return items, version
+
+    def watch_pods(
+        self,
+        namespace: str,
+        *,
+        field_selector: str = "",
+        label_selector: str = "",
+        resource_version: str = "",
+        timeout_s: float = 5.0,
+    ) -> Iterator[tuple[str, dict[str, Any]]]:
+        """Yield (event type, pod) until timeout; raises KubeError(410) when too old."""
+        w = watch.Watch()
+        kwargs: dict[str, Any] = {
+            "timeout_seconds": max(1, int(timeout_s)),
+            "_request_timeout": (5.0, timeout_s + 5.0),
+        }
+        if field_selector:
+            kwargs["field_selector"] = field_selector
+        if label_selector:
+            kwargs["label_selector"] = label_selector
+        if resource_version:
+            kwargs["resource_version"] = resource_version
+            kwargs["allow_watch_bookmarks"] = True
+        try:
+            for event in w.stream(self.core.list_namespaced_pod, namespace, **kwargs):
+                kind = event.get("type", "")
+                obj = event.get("object")
+                if kind == "ERROR":
+                    raw = obj if isinstance(obj, dict) else {}
+                    raise KubeError(
+                        f"watch error: {raw.get('message', '')}",
+                        status=int(raw.get("code", 0) or 0),
+                    )
+                if kind == "BOOKMARK":
+                    continue
+                yield kind, self.sanitize(obj)
+        except (ApiException, *_TRANSPORT) as exc:
+            raise translate(exc, "watch pods") from exc
+        finally:
+            w.stop()
+
+    def get_configmap(self, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            return self.sanitize(
+                call("read configmap", self.core.read_namespaced_config_map, name, namespace)
+            )
+        except KubeNotFound:
+            return None
+
+    def create_configmap(self, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
+        return self.sanitize(
+            call("create configmap", self.core.create_namespaced_config_map, namespace, body)
+        )
+
+    def get_network_policy(self, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            return self.sanitize(
+                call("read networkpolicy", self.net.read_namespaced_network_policy, name, namespace)
+            )
+        except KubeNotFound:
+            return None
+
+    def create_network_policy(self, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
+        return self.sanitize(
+            call("create networkpolicy", self.net.create_namespaced_network_policy, namespace, body)
+        )
+
+    def ensure_namespace(self, name: str) -> None:
+        with contextlib.suppress(KubeConflict):
+            call(
+                "create namespace",
+                self.core.create_namespace,
+                {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}},
+            )
