@@ -106,6 +106,56 @@ def db_check(ctx: click.Context) -> None:
     click.echo("models and migrations agree")
 
 
+def make_provider(settings: Settings, actor: str = "cli"):  # type: ignore[no-untyped-def]
+    """A Provider wired from settings: services, backend, sessions."""
+    from broker.backends.factory import make_backend
+    from broker.db import make_engine, make_session_factory
+    from broker.provider import Provider
+
+    engine = make_engine(_database_url(settings), pool_size=2, max_overflow=2)
+    return Provider(settings, make_session_factory(engine), make_backend(settings), actor=actor)
+
+
+@main.command("gc")
+@click.option("--dry-run", is_flag=True, help="Report what would be done; change nothing.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@click.pass_context
+def gc_command(ctx: click.Context, dry_run: bool, as_json: bool) -> None:
+    """Run one garbage-collection pass (pods vs ledger; deletes only on a nonce match)."""
+    from broker.gc import run_gc
+
+    report = run_gc(make_provider(_settings(ctx), actor="gc-cli"), dry_run=dry_run)
+    if as_json:
+        click.echo(json.dumps(report.to_dict(), indent=2, default=str))
+    else:
+        click.echo(
+            f"GC pass{' (dry run)' if dry_run else ''}: {report.pods_seen} pods, "
+            f"{report.live_rows} live rows, {len(report.actions)} actions, "
+            f"{len(report.unowned_pods)} unowned, {len(report.foreign_pods)} foreign, "
+            f"{len(report.errors)} errors, {report.duration_s:.2f}s"
+        )
+        for action in report.actions:
+            click.echo(f"  {action['action']:8} {action['pod']}  ({action['why']})")
+        for error in report.errors:
+            click.echo(f"  error: {error}", err=True)
+    sys.exit(0 if not report.errors else 1)
+
+
+@main.command("audit")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@click.pass_context
+def audit_command(ctx: click.Context, as_json: bool) -> None:
+    """Ownership report; exits 1 when an unowned pod or a dangling row exists."""
+    from broker.audit import format_audit, run_audit
+
+    report = run_audit(make_provider(_settings(ctx), actor="audit-cli"))
+    if as_json:
+        click.echo(json.dumps(report.to_dict(), indent=2, default=str))
+    else:
+        click.echo(format_audit(report))
+    sys.exit(0 if report.ok else 1)
+
+
 def _register_subcommands() -> None:
     from broker import cli_run
 

@@ -336,8 +336,16 @@ class Provider:
 
     # -- 5. release -------------------------------------------------------------------
 
-    def release(self, sandbox_id: str, *, actor: str = "broker", reason: str = "released") -> None:
-        """Idempotent, confirmed release. A create in flight is left to its owner to delete."""
+    def release(
+        self,
+        sandbox_id: str,
+        *,
+        actor: str = "broker",
+        reason: str = "released",
+        creator_gone: bool = False,
+    ) -> None:
+        """Idempotent, confirmed release. A create in flight is left to its owner to delete,
+        unless ``creator_gone`` (the GC saw its lease expire): then we delete it here."""
         with self.sessions.begin() as session:
             row = self._locked(session, sandbox_id)
             state = State(row.state)
@@ -353,9 +361,9 @@ class Provider:
                 store.transition(
                     session, row, State.RELEASING, actor=actor, detail={"reason": reason}
                 )
-            if state == State.CREATING:
+            if state == State.CREATING and not creator_gone:
                 return  # the creating worker sees `releasing` and deletes (or the GC does)
-            if state == State.REQUESTED:
+            if state == State.REQUESTED and not creator_gone:
                 store.transition(
                     session, row, State.DELETED, actor=actor, detail={"reason": "never-created"}
                 )
