@@ -21,9 +21,10 @@ PACK="$HERE/pack_image.py"
 mkdir -p "$OUT"
 log() { printf '[%s] images: %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
 
-hash_inputs() { # files... -> 16 hex chars (contents + names)
-  { for f in "$@"; do echo "== $f"; cat "$f"; done; echo "$SUITE $BASE_PACKAGES $IMAGE_TAG"; } \
-    | sha256sum | cut -c1-16
+hash_inputs() { # [files... | =literal ...] -> 16 hex chars over names, contents and literals
+  { for f in "$@"; do
+      if [[ "$f" == =* ]]; then echo "== literal ${f#=}"; else echo "== ${f#"$HERE"/}"; cat "$f"; fi
+    done; echo "$SUITE $BASE_PACKAGES $IMAGE_TAG"; } | sha256sum | cut -c1-16
 }
 
 need() { command -v "$1" >/dev/null || { log "installing $2"; apt-get install -y -qq "$2" >/dev/null; }; }
@@ -46,29 +47,18 @@ fi
 index "localhost/sandman-pause:1" "$PAUSE_TAR"
 
 # ---------------- base rootfs (debootstrap) ----------------
-h="$(hash_inputs "$HERE/build.sh" "$PACK")"
-BASE_LAYER="$OUT/rootfs-bookworm-$h.layer.tar"
+h="$(hash_inputs "$HERE/rootfs.sh")"
+BASE_LAYER="$OUT/rootfs-$SUITE-$h.layer.tar"
 if [[ ! -s "$BASE_LAYER" ]]; then
   need debootstrap debootstrap
   log "debootstrap $SUITE from $MIRROR ($h); takes a few minutes"
   t0=$SECONDS
-  w="$(mktemp -d -p "$OUT")"
-  debootstrap --variant=minbase --include="$BASE_PACKAGES" "$SUITE" "$w/rootfs" "$MIRROR" > "$OUT/debootstrap-$h.log" 2>&1 \
-    || { tail -20 "$OUT/debootstrap-$h.log"; exit 1; }
-  r="$w/rootfs"
-  # slim down: caches, docs, man pages, locales (keep the package database)
-  rm -rf "$r"/var/cache/apt/* "$r"/var/lib/apt/lists/* "$r"/usr/share/doc/* "$r"/usr/share/man/* \
-         "$r"/usr/share/info/* "$r"/var/log/* "$r"/tmp/* "$r"/dev/* "$r"/proc/* "$r"/sys/* 2>/dev/null || true
-  find "$r/usr/share/locale" -mindepth 1 -maxdepth 1 ! -name 'C*' -exec rm -rf {} + 2>/dev/null || true
-  echo "sandman-task-base" > "$r/etc/hostname"
-  tar --numeric-owner --xattrs --sort=name -C "$r" -cf "$BASE_LAYER.tmp" .
-  mv "$BASE_LAYER.tmp" "$BASE_LAYER"
-  rm -rf "$w"
+  "$HERE/rootfs.sh" "$SUITE" "$BASE_PACKAGES" "$MIRROR" "$BASE_LAYER"
   log "base rootfs done in $((SECONDS - t0))s"
 fi
 
 ENV_PATH="PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-BASE_TAR="$OUT/sandman-task-base-$(basename "$BASE_LAYER" .layer.tar | sed 's/rootfs-bookworm-//').tar"
+BASE_TAR="$OUT/sandman-task-base-$(hash_inputs "=$(basename "$BASE_LAYER")" "$PACK").tar"
 if [[ ! -s "$BASE_TAR" ]]; then
   log "packing sandman-task-base"
   python3 "$PACK" --out "$BASE_TAR" --tag "localhost/sandman-task-base:$IMAGE_TAG" \
@@ -78,7 +68,8 @@ index "localhost/sandman-task-base:$IMAGE_TAG" "$BASE_TAR"
 
 # ---------------- SWE-style task ----------------
 SWE="$HERE/swe-task"
-h="$(hash_inputs "$BASE_TAR" "$PACK" $(find "$SWE/repo" -type f | sort) "$SWE/task.json")"
+h="$(hash_inputs "=$(basename "$BASE_TAR")" "$PACK" $(find "$SWE/repo" -type f ! -path '*/__pycache__/*' | sort) \
+     "$SWE/task.json" "$SWE/reference.patch")"
 SWE_TAR="$OUT/sandman-swe-task-$h.tar"
 if [[ ! -s "$SWE_TAR" ]]; then
   log "building sandman-swe-task ($h)"
@@ -105,4 +96,10 @@ fi
 index "localhost/sandman-swe-task:$IMAGE_TAG" "$SWE_TAR"
 
 mv "$INDEX_TMP" "$OUT/index.tsv"
+# prune superseded artefacts (anything not referenced by the new index)
+keep="$(cut -f2 "$OUT/index.tsv"; echo "$BASE_LAYER"; echo "$BASE_LAYER.debootstrap.log")"
+for f in "$OUT"/sandman-*.tar "$OUT"/rootfs-*.layer.tar "$OUT"/rootfs-*.debootstrap.log "$OUT"/debootstrap-*.log "$OUT"/index.tsv.tmp.*; do
+  [[ -e "$f" ]] || continue
+  grep -qxF "$f" <<<"$keep" || { log "pruning $(basename "$f")"; rm -f "$f"; }
+done
 log "images ready:"; cat "$OUT/index.tsv" >&2
