@@ -1,0 +1,171 @@
+"""Cluster-wide create pacing shared by every worker process, kept in Redis.
+
+Celery's ``rate_limit`` is per worker, so N workers would create N times too fast. Here
+every create (on-demand, warm refill, replacement) first takes a concurrency slot and
+then a token from the same Redis state, so the API server sees at most
+``rate * t + burst`` creates in any window of length t, however many workers run.
+
+The bucket is GCRA ("virtual scheduling") with reservations: one atomic Lua call
+checks the global and the per-job bucket, reserves the earliest start time that both
+allow, and returns how long the caller must wait. Time comes from Redis ``TIME``, so
+worker clocks do not matter. A reservation is never made past the caller's deadline,
+and a bursty queue never turns into a burst of creates: waiting happens before the
+create, inside the worker, while the rest of the burst stays queued in Redis.
+
+The concurrency cap is a semaphore (a sorted set of holders scored by lease expiry), so
+a SIGKILLed worker's slot frees itself when its lease runs out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from broker.errors import AcquireTimeout
+
+PREFIX = "sandman:pace"
+
+# KEYS: bucket keys. ARGV: max_wait, then (interval, burst) per key.
+# Returns {granted 0|1, wait seconds as a string}.
+_BUCKET_LUA = """
+redis.replicate_commands()
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local max_wait = tonumber(ARGV[1])
+local start = now
+local tats = {}
+for i, key in ipairs(KEYS) do
+  local interval = tonumber(ARGV[2 * i])
+  local burst = tonumber(ARGV[2 * i + 1])
+  local tat = tonumber(redis.call('GET', key) or '0')
+  if tat < now then tat = now end
+  tats[i] = tat
+  local earliest = tat + interval - burst * interval
+  if earliest > start then start = earliest end
+end
+local wait = start - now
+if wait > max_wait then
+  return {0, tostring(wait)}
+end
+for i, key in ipairs(KEYS) do
+  local interval = tonumber(ARGV[2 * i])
+  local tat = tats[i]
+  if start > tat then tat = start end
+  tat = tat + interval
+  local ttl = math.ceil((tat - now + 60) * 1000)
+  redis.call('SET', key, string.format('%.6f', tat), 'PX', ttl)
+end
+return {1, tostring(wait)}
+"""
+
+# KEYS: semaphore keys. ARGV: member, ttl seconds, then one limit per key.
+_SEM_ACQUIRE_LUA = """
+redis.replicate_commands()
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+for i, key in ipairs(KEYS) do
+  redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
+  if redis.call('ZCARD', key) >= tonumber(ARGV[2 + i]) then
+    return 0
+  end
+end
+for i, key in ipairs(KEYS) do
+  redis.call('ZADD', key, now + tonumber(ARGV[2]), ARGV[1])
+  redis.call('PEXPIRE', key, math.ceil(tonumber(ARGV[2]) * 1000) + 60000)
+end
+return 1
+"""
+
+_TIME_LUA = """
+local t = redis.call('TIME')
+return tostring(tonumber(t[1]) + tonumber(t[2]) / 1000000)
+"""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The pacing that applies to one create: global values plus optional per-job ones."""
+
+    rate: float
+    burst: int
+    max_concurrent: int
+    job: str | None = None
+    job_rate: float | None = None
+    job_burst: int | None = None
+    job_max_concurrent: int | None = None
+
+
+class Pacer:
+    """Token bucket + concurrency semaphore over one Redis connection pool."""
+
+    def __init__(self, redis: Any, *, slot_ttl_s: float = 180.0) -> None:
+        self.redis = redis
+        self.slot_ttl_s = slot_ttl_s
+        self._bucket = redis.register_script(_BUCKET_LUA)
+        self._sem = redis.register_script(_SEM_ACQUIRE_LUA)
+        self._time = redis.register_script(_TIME_LUA)
+
+    def server_time(self) -> float:
+        return float(self._time())
+
+    def reserve(self, limits: Limits, *, max_wait: float) -> float | None:
+        """Reserve a create start; return the wait before it, or None past ``max_wait``."""
+        keys = [f"{PREFIX}:bucket:global"]
+        args: list[Any] = [max_wait, 1.0 / limits.rate, limits.burst]
+        if limits.job and limits.job_rate:
+            keys.append(f"{PREFIX}:bucket:job:{limits.job}")
+            args += [1.0 / limits.job_rate, limits.job_burst or 1]
+        granted, wait = self._bucket(keys=keys, args=args)
+        return float(wait) if int(granted) else None
+
+    def take(self, limits: Limits, *, deadline: float) -> None:
+        """Block (monotonic ``deadline``) until this caller may start one create."""
+        wait = self.reserve(limits, max_wait=max(0.0, deadline - time.monotonic()))
+        if wait is None:
+            raise AcquireTimeout("create rate limit: no token before the deadline")
+        if wait > 0:
+            time.sleep(wait)
+
+    def _sem_keys(self, limits: Limits) -> tuple[list[str], list[int]]:
+        keys, caps = [f"{PREFIX}:sem:global"], [limits.max_concurrent]
+        if limits.job and limits.job_max_concurrent:
+            keys.append(f"{PREFIX}:sem:job:{limits.job}")
+            caps.append(limits.job_max_concurrent)
+        return keys, caps
+
+    def try_slot(self, limits: Limits, member: str) -> bool:
+        keys, caps = self._sem_keys(limits)
+        return bool(self._sem(keys=keys, args=[member, self.slot_ttl_s, *caps]))
+
+    def release_slot(self, limits: Limits, member: str) -> None:
+        keys, _ = self._sem_keys(limits)
+        pipe = self.redis.pipeline(transaction=False)
+        for key in keys:
+            pipe.zrem(key, member)
+        pipe.execute()
+
+    def in_flight(self) -> int:
+        return int(self.redis.zcard(f"{PREFIX}:sem:global"))
+
+    @contextlib.contextmanager
+    def create_slot(self, limits: Limits, *, deadline: float) -> Iterator[None]:
+        """Hold a concurrency slot, then a token: the create runs inside the block.
+
+        Slot first, token second: a token taken while still waiting for a slot would let
+        creates bunch up behind the semaphore and leave together as a burst.
+        """
+        member = uuid.uuid4().hex
+        while not self.try_slot(limits, member):
+            if time.monotonic() >= deadline:
+                raise AcquireTimeout("concurrent-create cap: no slot before the deadline")
+            time.sleep(0.02 + random.random() * 0.03)
+        try:
+            self.take(limits, deadline=deadline)
+            yield
+        finally:
+            self.release_slot(limits, member)

@@ -1,0 +1,62 @@
+"""The Celery app: Redis transport, JSON only, three queues, and the beat schedule.
+
+Configuration is built lazily from ``Settings.from_env()`` the first time Celery needs
+it (``add_defaults`` with a callable), so importing this module reads no environment;
+the worker or beat process is the entry point that does.
+
+JSON only: a pickled message is code execution for anyone who can write to Redis.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery import Celery
+from kombu import Queue
+
+from broker.settings import Settings
+
+# Above the longest task: an acquire waits for the pacer and a readiness budget, a pool
+# refill up to its own budget; an unacked message is redelivered only after this.
+VISIBILITY_TIMEOUT_S = 3600
+
+
+def celery_config(settings: Settings) -> dict[str, Any]:
+    """Celery settings for ``settings``; shared by workers, beat and the client."""
+    from broker.localservices import ensure_services
+
+    redis_url = settings.redis_url or ensure_services(settings).redis_url
+    return {
+        "broker_url": redis_url,
+        "result_backend": None,
+        "task_ignore_result": True,
+        "task_serializer": "json",
+        "result_serializer": "json",
+        "accept_content": ["json"],
+        "event_serializer": "json",
+        "task_queues": [Queue("acquire"), Queue("release"), Queue("pool")],
+        "task_default_queue": "acquire",
+        "task_routes": {
+            "sandman.acquire": {"queue": "acquire"},
+            "sandman.release": {"queue": "release"},
+            "sandman.claimed": {"queue": "release"},
+            "sandman.heartbeat": {"queue": "release"},
+            "sandman.pool_refill": {"queue": "pool"},
+            "sandman.pool_upkeep": {"queue": "pool"},
+            "sandman.gc": {"queue": "pool"},
+        },
+        "broker_transport_options": {"visibility_timeout": VISIBILITY_TIMEOUT_S},
+        "broker_connection_retry_on_startup": True,
+        "worker_prefetch_multiplier": 1,
+        "worker_hijack_root_logger": False,
+        "task_acks_on_failure_or_timeout": True,
+        "beat_schedule": {
+            "gc": {"task": "sandman.gc", "schedule": settings.gc_interval_s},
+            "pool-upkeep": {"task": "sandman.pool_upkeep", "schedule": 5.0},
+        },
+        "timezone": "UTC",
+    }
+
+
+app = Celery("sandman", include=["workers.tasks"])
+app.add_defaults(lambda: celery_config(Settings.from_env()))

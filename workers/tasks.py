@@ -1,0 +1,60 @@
+"""Thin tasks: primitive ids in, a ``broker.service`` call, nothing else.
+
+Idempotence, and so ``acks_late``: an acquire is keyed by its request id (the provider's
+intent is idempotent and tokens are derived), a release settles whatever state it finds,
+a refill skips rows that already moved on. A message redelivered after a worker died
+therefore converges on the same sandbox instead of making a second one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from workers.app import app
+from workers.runtime import broker
+
+
+@app.task(name="sandman.acquire", acks_late=True, reject_on_worker_lost=True)
+def acquire(request: dict[str, Any]) -> dict[str, Any]:
+    return broker().acquire_and_deliver(request)
+
+
+@app.task(name="sandman.release", acks_late=True, reject_on_worker_lost=True)
+def release(sandbox_id: str, reason: str = "released") -> str:
+    return broker().release(sandbox_id, reason)
+
+
+@app.task(name="sandman.claimed", acks_late=True)
+def claimed(
+    sandbox_id: str,
+    request_id: str,
+    owner: str | None,
+    latency_s: float | None,
+    enqueued_at: float | None = None,
+) -> None:
+    import datetime as dt
+
+    when = dt.datetime.fromtimestamp(enqueued_at, dt.UTC) if enqueued_at else None
+    broker().claimed(sandbox_id, request_id, owner, latency_s, when)
+
+
+@app.task(name="sandman.heartbeat", ignore_result=True)
+def heartbeat(sandbox_id: str, owner: str | None = None) -> str:
+    return broker().heartbeat(sandbox_id, owner)
+
+
+@app.task(name="sandman.pool_refill", acks_late=True, reject_on_worker_lost=True)
+def pool_refill(sandbox_id: str) -> str:
+    return broker().refill(sandbox_id)
+
+
+@app.task(name="sandman.pool_upkeep", acks_late=True)
+def pool_upkeep() -> dict[str, Any]:
+    return broker().upkeep_all()
+
+
+@app.task(name="sandman.gc", acks_late=True)
+def gc() -> dict[str, object]:
+    from broker.gc import run_gc
+
+    return run_gc(broker().provider).to_dict()
