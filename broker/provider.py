@@ -61,6 +61,7 @@ class Provider:
         actor: str = "broker",
         sleep: Callable[[float], None] = time.sleep,
         probe: Callable[[str, str], bool] | None = None,
+        failpoint: Callable[[str], None] | None = None,
     ) -> None:
         self.settings = settings
         self.sessions = sessions
@@ -69,6 +70,8 @@ class Provider:
         self._sleep = sleep
         self._probe = probe or (execd_answers)
         self._key = broker_key(settings)
+        # Named points where a test can kill the process (SIGKILL) to open a crash window.
+        self._failpoint = failpoint or (lambda name: None)
 
     # -- 1. intent --------------------------------------------------------------------
 
@@ -105,8 +108,11 @@ class Provider:
             row.owner = spec.owner
             row.token_hash = store.hash_token(self.token_for(row))
             # The creating lease bounds how long a dead worker can hold the row.
-            row.lease_expires_at = utcnow() + dt.timedelta(seconds=job.readiness_budget_s + 60)
-            return row.id, self.token_for(row)
+            margin = self.settings.create_lease_margin_s
+            row.lease_expires_at = utcnow() + dt.timedelta(seconds=job.readiness_budget_s + margin)
+            result = row.id, self.token_for(row)
+        self._failpoint("after-intent")
+        return result
 
     # -- 2/3/4. create ----------------------------------------------------------------
 
@@ -133,10 +139,13 @@ class Provider:
             row.create_attempts += 1
             spec = self._pod_spec(row, job, token, workdir, env or {})
             budget = job.readiness_budget_s
+        self._failpoint("after-creating-commit")
         try:
             self._ensure_guards(spec)
             info = self._submit(spec)
+            self._failpoint("after-create-sent")
             info = self._await_ready(spec, token, budget, started, give_up)
+            self._failpoint("before-ready-commit")
         except BaseException as exc:
             self._settle_failure(sandbox_id, spec, exc)
             raise
@@ -369,6 +378,7 @@ class Provider:
                 )
                 return
             namespace, name, nonce = row.namespace, row.pod_name, row.nonce
+        self._failpoint("after-releasing-commit")
         self.delete_confirmed(sandbox_id, namespace, name, nonce, actor=actor)
 
     def delete_confirmed(
@@ -378,6 +388,7 @@ class Provider:
         error: str | None = None
         try:
             self.backend.delete(namespace, name, nonce)
+            self._failpoint("after-delete-sent")
             deadline = time.monotonic() + DELETE_CONFIRM_S
             while self.backend.get(namespace, name) is not None:
                 if time.monotonic() > deadline:

@@ -54,6 +54,9 @@ class Settings:
     create_burst: int = 20
     max_concurrent_creates: int = 64
     readiness_budget_s: float = 120.0
+    # A creating row's lease = readiness budget + this margin; past it the GC assumes the
+    # creating worker died and settles the row itself.
+    create_lease_margin_s: float = 60.0
     lease_s: float = 300.0
     idle_timeout_s: float = 300.0
     gc_interval_s: float = 30.0

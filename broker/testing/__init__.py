@@ -1,0 +1,1 @@
+"""Test and campaign tooling that ships with the broker (fault proxy, trial harness)."""
