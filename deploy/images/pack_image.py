@@ -64,7 +64,7 @@ def main(argv=None):
         },
         "rootfs": {"type": "layers", "diff_ids": ["sha256:" + d for d in diff_ids]},
         "history": [
-            {"created": FIXED_TIME, "created_by": "sandman pack_image.py layer %d" % i}
+            {"created": FIXED_TIME, "created_by": f"sandman pack_image.py layer {i}"}
             for i in range(len(diff_ids))
         ],
     }

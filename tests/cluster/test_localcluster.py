@@ -118,9 +118,9 @@ def test_task_image_runs_python_on_real_node(core_v1: Any, namespace: str) -> No
     # Sandboxes are addressed by pod IP: the host reaches it directly over the bridge.
     pod_ip = live.status.pod_ip
     assert pod_ip and pod_ip.startswith("10.244.0."), pod_ip
-    with urllib.request.urlopen(f"http://{pod_ip}:8080/hostname", timeout=10) as resp:  # noqa: S310
+    with urllib.request.urlopen(f"http://{pod_ip}:8080/hostname", timeout=10) as resp:
         assert resp.status == 200
-        assert resp.read().decode().strip() == "sandman-task-base"
+        assert resp.read().decode().strip() == "py"  # kubelet-managed /etc/hostname
 
 
 def test_swe_task_image_reference_patch_fixes_failing_test(core_v1: Any, namespace: str) -> None:
@@ -158,8 +158,10 @@ cat /tmp/before.txt /tmp/after.txt
     assert spec["image"] == SWE_TASK_IMAGE
     core_v1.create_namespaced_pod(namespace, pod)
     phase = wait_until(
-        lambda: _phase(core_v1, namespace, "swe") in ("Succeeded", "Failed")
-        and _phase(core_v1, namespace, "swe"),
+        lambda: (
+            _phase(core_v1, namespace, "swe") in ("Succeeded", "Failed")
+            and _phase(core_v1, namespace, "swe")
+        ),
         120,
         what="swe pod to finish",
     )
@@ -198,7 +200,9 @@ def test_deleting_owner_cascades_to_dependent_pod(core_v1: Any, namespace: str) 
     core_v1.delete_namespaced_config_map("owner", namespace, propagation_policy="Background")
 
     def pod_gone() -> bool:
-        return not core_v1.list_namespaced_pod(namespace, field_selector="metadata.name=dependent").items
+        return not core_v1.list_namespaced_pod(
+            namespace, field_selector="metadata.name=dependent"
+        ).items
 
     wait_until(pod_gone, 90, what="garbage collector to delete the dependent pod")
 
@@ -238,4 +242,3 @@ def test_topology_spread_over_kwok_nodes(core_v1: Any, namespace: str) -> None:
     assert set(per_node) == {n.metadata.name for n in kwok_nodes}, per_node
     assert max(per_node.values()) - min(per_node.values()) <= 1, per_node
     assert all(p.status.pod_ip for p in pods)
-
