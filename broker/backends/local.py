@@ -164,9 +164,6 @@ class LocalBackend:
             "--setenv",
             "PYTHONPATH",
             "/sandman",
-            "--setenv",
-            "SANDMAN_EXECD_TOKEN",
-            spec.token,
             "--info-fd",
             str(info_fd),
         ]
@@ -216,6 +213,13 @@ class LocalBackend:
                 stderr=log,
                 start_new_session=True,
                 pass_fds=(write_fd,),
+                # The token travels in the environment (bwrap passes it through), never
+                # on the command line, where `ps` would show it to every local user.
+                env={
+                    "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+                    "LANG": "C.UTF-8",
+                    "SANDMAN_EXECD_TOKEN": spec.token,
+                },
             )
         except (OSError, KubeUnavailable) as exc:
             os.close(read_fd)

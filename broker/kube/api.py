@@ -9,6 +9,7 @@ so a POST is never silently replayed underneath the ownership protocol.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -207,10 +208,30 @@ class Kube:
             call("create networkpolicy", self.net.create_namespaced_network_policy, namespace, body)
         )
 
-    def ensure_namespace(self, name: str) -> None:
+    def ensure_namespace(self, name: str, *, timeout_s: float = 60.0) -> None:
+        """Create the namespace if needed and wait for its default ServiceAccount, without
+        which ServiceAccount admission rejects every pod (even with automount off)."""
         with contextlib.suppress(KubeConflict):
             call(
                 "create namespace",
                 self.core.create_namespace,
                 {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}},
             )
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                call(
+                    "read serviceaccount",
+                    self.core.read_namespaced_service_account,
+                    "default",
+                    name,
+                )
+                return
+            except KubeNotFound:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+
+    def delete_namespace(self, name: str) -> None:
+        with contextlib.suppress(KubeNotFound):
+            call("delete namespace", self.core.delete_namespace, name)

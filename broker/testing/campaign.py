@@ -295,6 +295,7 @@ def run_campaign(
             admin.delete_pod(namespace, name, uid=None)
     proxy.stop()
     engine.dispose()
+    admin.delete_namespace(namespace)
     result.duration_s = time.monotonic() - started
     return result
 

@@ -1,0 +1,205 @@
+"""``sandman demo``: the whole path on one machine, measured, and left clean.
+
+Synthetic rollouts (acquire, a dozen commands and file edits, release) run against the
+real stack: embedded PostgreSQL and Redis, Celery workers and beat, sandboxes as local
+bubblewrap processes. The summary's "leaks" is what a GC pass and the ledger still find
+after everything was released: it must be 0.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import click
+from sqlalchemy import func, select
+
+from broker.errors import InfrastructureError, SandmanError
+from broker.settings import Settings
+
+DEMO_JOB = "demo"
+DEMO_IMAGE = "sandman/demo-task:latest"
+CPU, MEMORY = "500m", "512Mi"
+
+
+@dataclass
+class Tally:
+    acquire_s: list[float] = field(default_factory=list)
+    exec_s: list[float] = field(default_factory=list)
+    warm: int = 0
+    masked: int = 0
+    failed_steps: int = 0
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
+def rollout(client: Any, index: int, commands: int, tally: Tally) -> None:
+    try:
+        with client.acquire(
+            image=DEMO_IMAGE, cpu=CPU, memory=MEMORY, job=DEMO_JOB, timeout=90
+        ) as sb:
+            tally.acquire_s.append(sb.acquire_s)
+            tally.warm += int(sb.lease.warm)
+            sb.write_file("/workspace/task.py", f"def answer():\n    return {index}\n")
+            for step in range(commands):
+                started = time.perf_counter()
+                if step % 4 == 1:
+                    sb.edit(
+                        "/workspace/task.py", f"return {index + step - 1}", f"return {index + step}"
+                    )
+                    result_ok = True
+                elif step % 4 == 3:
+                    result_ok = b"def answer" in sb.read_file("/workspace/task.py")
+                else:
+                    res = sb.exec(
+                        "python3 -c 'import task; print(task.answer())' && ls | wc -l", timeout=30
+                    )
+                    result_ok = res.exit_code == 0
+                tally.exec_s.append(time.perf_counter() - started)
+                tally.failed_steps += int(not result_ok)
+                if step % 4 == 1:
+                    sb.exec(f"sed -i 's/return {index + step}/return {index + step - 1}/' task.py")
+    except InfrastructureError:
+        tally.masked += 1
+
+
+def run_demo(
+    settings: Settings,
+    *,
+    rollouts: int,
+    concurrency: int,
+    warm: int,
+    commands: int,
+    echo: Callable[[str], None],
+) -> bool:
+    from broker.client import SandboxClient
+    from broker.db import make_engine, make_session_factory
+    from broker.ledger import store
+    from broker.pools import WarmStore, pool_key
+    from broker.stack import Stack, running_stack
+    from broker.validation import parse_cpu, parse_memory
+
+    stack = None
+    t_start = time.monotonic()
+    if running_stack(settings):
+        echo("reusing the running stack")
+        from broker.localservices import ensure_services
+
+        urls = ensure_services(settings)
+        database_url, redis_url = urls.database_url, urls.redis_url
+    else:
+        echo("starting PostgreSQL, Redis, workers and beat ...")
+        stack = Stack(settings)
+        stack.start(echo=True)
+        database_url, redis_url = stack.database_url, stack.redis_url
+    engine = make_engine(database_url)
+    sessions = make_session_factory(engine)
+    client = SandboxClient(redis_url, owner="demo")
+    key = pool_key(DEMO_IMAGE, None, None, parse_cpu(CPU), parse_memory(MEMORY))
+    pools = (
+        [
+            {
+                "image": DEMO_IMAGE,
+                "cpu_m": parse_cpu(CPU),
+                "memory_b": parse_memory(MEMORY),
+                "size": warm,
+                "idle_timeout_s": 300,
+            }
+        ]
+        if warm
+        else []
+    )
+    try:
+        with sessions.begin() as session:
+            store.ensure_job(session, DEMO_JOB, warm_pools=pools, lease_s=120.0)
+        if warm:
+            client.send("sandman.pool_upkeep", [], "pool")
+            deadline = time.monotonic() + 30
+            while WarmStore(client.redis).size(DEMO_JOB, key) < warm:
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
+            echo(f"warm pool: {WarmStore(client.redis).size(DEMO_JOB, key)}/{warm} ready")
+        tally = Tally()
+        t0 = time.monotonic()
+        with (
+            click.progressbar(length=rollouts, label="rollouts") as bar,
+            ThreadPoolExecutor(concurrency) as pool,
+        ):
+            futures = [pool.submit(rollout, client, i, commands, tally) for i in range(rollouts)]
+            for fut in futures:
+                fut.result()
+                bar.update(1)
+        wall = time.monotonic() - t0
+        leaks = _settle(settings, sessions, client, echo)
+        ok = leaks == 0 and tally.masked == 0 and tally.failed_steps == 0
+        n = len(tally.acquire_s)
+        echo("")
+        echo(f"acquisitions     {n}/{rollouts}  (masked infra failures: {tally.masked})")
+        echo(
+            f"acquire p50/p99  {pct(tally.acquire_s, 50) * 1000:.1f} ms / "
+            f"{pct(tally.acquire_s, 99) * 1000:.1f} ms"
+        )
+        echo(
+            f"exec p50/p99     {pct(tally.exec_s, 50) * 1000:.1f} ms / "
+            f"{pct(tally.exec_s, 99) * 1000:.1f} ms  ({len(tally.exec_s)} calls, "
+            f"{tally.failed_steps} failed)"
+        )
+        echo(f"warm-hit rate    {tally.warm / max(n, 1):.0%}")
+        echo(f"throughput       {n / wall:.1f} rollouts/s over {wall:.1f} s")
+        echo(f"leaks            {leaks}")
+        echo(f"total            {time.monotonic() - t_start:.1f} s  -> {'OK' if ok else 'FAILED'}")
+        if tally.acquire_s:
+            echo(f"(mean acquire {statistics.mean(tally.acquire_s) * 1000:.1f} ms)")
+        return ok
+    finally:
+        client.close()
+        engine.dispose()
+        if stack is not None:
+            stack.stop()
+
+
+def _settle(settings: Settings, sessions: Any, client: Any, echo: Callable[[str], None]) -> int:
+    """Drain the warm pool, wait for every release, then count what a GC pass finds."""
+    from broker.gc import run_gc
+    from broker.ledger import store
+    from broker.ledger.models import Sandbox
+    from broker.ledger.states import State
+    from broker.provider import Provider
+    from broker.service import make_backend
+
+    with sessions.begin() as session:
+        store.ensure_job(session, DEMO_JOB, warm_pools=[])
+    client.send("sandman.pool_upkeep", [], "pool")
+    live = (State.REQUESTED, State.CREATING, State.READY, State.RELEASING, State.ABANDONED)
+    deadline = time.monotonic() + 60
+    remaining = -1
+    while time.monotonic() < deadline:
+        with sessions() as session:
+            remaining = (
+                session.scalar(
+                    select(func.count())
+                    .select_from(Sandbox)
+                    .where(Sandbox.job == DEMO_JOB, Sandbox.state.in_(live))
+                )
+                or 0
+            )
+        if remaining == 0:
+            break
+        time.sleep(0.3)
+    provider = Provider(settings, sessions, make_backend(settings), actor="demo")
+    try:
+        report = run_gc(provider)
+    except SandmanError as exc:
+        echo(f"GC pass failed: {exc}")
+        return remaining + 1
+    return remaining + len(report.unowned_pods) + len(report.dangling_rows)
