@@ -12,7 +12,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-12)
 PYTEST_ARGS ?=
 
-.PHONY: venv demo up test lint format typecheck test-unit test-integration test-cluster \
+.PHONY: host-deps venv demo up test lint format typecheck test-unit test-integration test-cluster \
         cluster-up cluster-down services-up services-down clean-state
 
 venv: $(STAMP)
@@ -23,7 +23,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[dev]'
 	rm -f $(VENV)/.installed-* && touch $@
 
-demo: venv
+host-deps:
+	deploy/host-deps.sh
+
+demo: host-deps venv
 	$(BIN)/sandman demo
 
 up: venv
@@ -65,6 +68,6 @@ test-cluster: venv cluster-up
 	$(BIN)/pytest -m cluster $(PYTEST_ARGS)
 
 # The whole suite: lint, services, the local cluster, then every tier.
-test: venv lint services-up cluster-up
+test: host-deps venv lint services-up cluster-up
 	$(BIN)/sandman db check
 	$(BIN)/pytest $(PYTEST_ARGS)

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Install the Debian packages the broker and its tests use on this host (idempotent).
+#   bubblewrap       local backend: sandboxes as execd processes in their own namespaces
+#   git              patch extraction and grading tests
+#   chromium         end-to-end tests of the admin UI (a real headless browser)
+#   fonts-dejavu-core  readable screenshots
+# The local Kubernetes cluster installs its own packages (deploy/localcluster/up.sh).
+set -euo pipefail
+want=(bubblewrap git chromium fonts-dejavu-core)
+missing=()
+for p in "${want[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
+if ((${#missing[@]})); then
+  if [[ $(id -u) -ne 0 ]]; then
+    echo "host-deps: missing packages ${missing[*]}; run: sudo apt-get install -y ${missing[*]}" >&2
+    exit 1
+  fi
+  echo "host-deps: installing ${missing[*]}" >&2
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
