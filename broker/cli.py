@@ -68,6 +68,16 @@ def services_down(ctx: click.Context) -> None:
     stop_redis(_settings(ctx))
 
 
+@services.command("serve")
+@click.argument("service", type=click.Choice(["postgres", "redis"]))
+@click.pass_context
+def services_serve(ctx: click.Context, service: str) -> None:
+    """Run one service in the foreground (for containers); credentials come from its URL."""
+    from broker.localservices import serve_postgres, serve_redis
+
+    (serve_postgres if service == "postgres" else serve_redis)(_settings(ctx))
+
+
 @main.group()
 def db() -> None:
     """Database schema (Alembic owns it)."""

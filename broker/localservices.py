@@ -245,3 +245,95 @@ def stop_redis(settings: Settings) -> None:
     if pidfile.exists():
         with contextlib.suppress(ProcessLookupError, ValueError):
             os.kill(int(pidfile.read_text().strip()), 15)
+
+
+# --- foreground servers (containers) -----------------------------------------------------
+
+
+def serve_postgres(settings: Settings) -> None:
+    """Init once, then exec postgres in the foreground (PID 1 of a container).
+
+    User, password, port and database come from ``settings.database_url`` (the same Secret
+    the broker reads), so there is one source of truth for the credentials.
+    """
+    from urllib.parse import unquote, urlsplit
+
+    url = urlsplit(settings.database_url.replace("+psycopg", ""))
+    if not url.password or not url.username:
+        raise ServiceUnavailable("SANDMAN_DATABASE_URL must carry a user and password")
+    data = settings.state_dir / "postgres" / "data"
+    bin_dir = _pg_bin()
+    if not (data / "PG_VERSION").exists():
+        data.parent.mkdir(parents=True, exist_ok=True)
+        pwfile = data.parent / ".pwfile"
+        pwfile.write_text(unquote(url.password) + "\n")
+        try:
+            subprocess.run(
+                [
+                    str(bin_dir / "initdb"),
+                    "-D",
+                    str(data),
+                    "-U",
+                    url.username,
+                    "--pwfile",
+                    str(pwfile),
+                    "--auth-host=scram-sha-256",
+                    "--auth-local=scram-sha-256",
+                    "--encoding=UTF8",
+                    "--no-instructions",
+                ],
+                check=True,
+                capture_output=True,
+            )
+        finally:
+            pwfile.unlink(missing_ok=True)
+        with (data / "pg_hba.conf").open("a") as hba:
+            hba.write("host all all 0.0.0.0/0 scram-sha-256\nhost all all ::/0 scram-sha-256\n")
+    database = (url.path or "/sandman").lstrip("/") or "sandman"
+    (data.parent / "database").write_text(database)
+    os.execv(  # noqa: S606  (exec on purpose: postgres becomes PID 1)
+        str(bin_dir / "postgres"),
+        [
+            "postgres",
+            "-D",
+            str(data),
+            "-p",
+            str(url.port or 5432),
+            "-c",
+            "listen_addresses=*",
+            "-k",
+            str(data.parent),
+            "-c",
+            "max_connections=400",
+        ],
+    )
+
+
+def serve_redis(settings: Settings) -> None:
+    """Exec redis-server in the foreground with the URL's password and port, append-only."""
+    from urllib.parse import unquote, urlsplit
+
+    url = urlsplit(settings.redis_url)
+    if not url.password:
+        raise ServiceUnavailable("SANDMAN_REDIS_URL must carry a password")
+    root = settings.state_dir / "redis"
+    root.mkdir(parents=True, exist_ok=True)
+    conf = root / "redis.conf"
+    conf.write_text(
+        "\n".join(
+            [
+                "bind 0.0.0.0",
+                f"port {url.port or 6379}",
+                f"dir {root}",
+                "daemonize no",
+                "appendonly yes",
+                "appendfsync everysec",
+                f"requirepass {unquote(url.password)}",
+                "maxclients 10000",
+                "protected-mode no",
+            ]
+        )
+        + "\n"
+    )
+    conf.chmod(0o600)
+    os.execv(str(_redis_server()), ["redis-server", str(conf)])  # noqa: S606
