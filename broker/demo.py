@@ -33,6 +33,7 @@ class Tally:
     warm: int = 0
     masked: int = 0
     failed_steps: int = 0
+    errors: list[str] = field(default_factory=list)
 
 
 def pct(values: list[float], q: float) -> float:
@@ -42,34 +43,34 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
-def rollout(client: Any, index: int, commands: int, tally: Tally) -> None:
+def rollout(client: Any, commands: int, tally: Tally) -> None:
+    """One synthetic rollout: a file, edits, reads and commands that check each other."""
+    path, version = "/workspace/task.py", 0
     try:
         with client.acquire(
             image=DEMO_IMAGE, cpu=CPU, memory=MEMORY, job=DEMO_JOB, timeout=90
         ) as sb:
             tally.acquire_s.append(sb.acquire_s)
             tally.warm += int(sb.lease.warm)
-            sb.write_file("/workspace/task.py", f"def answer():\n    return {index}\n")
+            sb.write_file(path, "def answer():\n    return 0\n")
             for step in range(commands):
                 started = time.perf_counter()
-                if step % 4 == 1:
-                    sb.edit(
-                        "/workspace/task.py", f"return {index + step - 1}", f"return {index + step}"
-                    )
-                    result_ok = True
-                elif step % 4 == 3:
-                    result_ok = b"def answer" in sb.read_file("/workspace/task.py")
+                if step % 3 == 1:
+                    sb.edit(path, f"return {version}", f"return {version + 1}")
+                    version += 1
+                    ok = True
+                elif step % 3 == 2:
+                    ok = f"return {version}".encode() in sb.read_file(path)
                 else:
-                    res = sb.exec(
-                        "python3 -c 'import task; print(task.answer())' && ls | wc -l", timeout=30
-                    )
-                    result_ok = res.exit_code == 0
+                    res = sb.exec("python3 -B -c 'import task; print(task.answer())'", timeout=30)
+                    ok = res.exit_code == 0 and res.stdout.strip() == str(version)
                 tally.exec_s.append(time.perf_counter() - started)
-                tally.failed_steps += int(not result_ok)
-                if step % 4 == 1:
-                    sb.exec(f"sed -i 's/return {index + step}/return {index + step - 1}/' task.py")
+                tally.failed_steps += int(not ok)
     except InfrastructureError:
         tally.masked += 1
+    except SandmanError as exc:
+        tally.failed_steps += 1
+        tally.errors.append(f"{type(exc).__name__}: {exc}")
 
 
 def run_demo(
@@ -135,7 +136,7 @@ def run_demo(
             click.progressbar(length=rollouts, label="rollouts") as bar,
             ThreadPoolExecutor(concurrency) as pool,
         ):
-            futures = [pool.submit(rollout, client, i, commands, tally) for i in range(rollouts)]
+            futures = [pool.submit(rollout, client, commands, tally) for _ in range(rollouts)]
             for fut in futures:
                 fut.result()
                 bar.update(1)
@@ -158,6 +159,8 @@ def run_demo(
         echo(f"throughput       {n / wall:.1f} rollouts/s over {wall:.1f} s")
         echo(f"leaks            {leaks}")
         echo(f"total            {time.monotonic() - t_start:.1f} s  -> {'OK' if ok else 'FAILED'}")
+        for error in tally.errors[:3]:
+            echo(f"error: {error}")
         if tally.acquire_s:
             echo(f"(mean acquire {statistics.mean(tally.acquire_s) * 1000:.1f} ms)")
         return ok
@@ -195,7 +198,8 @@ def _settle(settings: Settings, sessions: Any, client: Any, echo: Callable[[str]
             )
         if remaining == 0:
             break
-        time.sleep(0.3)
+        client.send("sandman.pool_upkeep", [], "pool")
+        time.sleep(1.0)
     provider = Provider(settings, sessions, make_backend(settings), actor="demo")
     try:
         report = run_gc(provider)

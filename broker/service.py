@@ -337,6 +337,10 @@ class Broker:
             job = store.get_job(session, row.job)
             limits, reuse_on = self.limits(job), job.reuse
             token = self.provider.token_for(row)
+            wanted = any(c.key == row.pool_key and c.size > 0 for c in parse_pools(job.warm_pools))
+        if not wanted:  # the pool shrank or went away while this refill was queued
+            self.provider.release(sandbox_id, actor=self.actor, reason="pool-shrunk")
+            return "cancelled"
         deadline = time.monotonic() + REFILL_BUDGET_S
         submitted = False
         try:
