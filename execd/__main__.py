@@ -1,0 +1,180 @@
+"""Entry point: ``python3 -m execd --listen HOST:PORT``.
+
+Reads the token from SANDMAN_EXECD_TOKEN or the file named by
+SANDMAN_EXECD_TOKEN_FILE and removes both from the environment before bash is
+started, so no command can see it.
+"""
+
+import argparse
+import logging
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+from typing import List, Optional, Tuple
+
+from . import __version__
+from .api import App
+from .reaper import Reaper, become_subreaper
+from .server import Server
+from .shell import Shell
+from .state import StateKeeper
+
+log = logging.getLogger("execd")
+TOKEN_VARS = ("SANDMAN_EXECD_TOKEN", "SANDMAN_EXECD_TOKEN_FILE")
+
+
+def parse_listen(value: str) -> Tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit() or int(port) > 65535:
+        raise argparse.ArgumentTypeError("--listen wants HOST:PORT, got %r" % value)
+    host = host.strip("[]") or "0.0.0.0"  # noqa: S104 (a pod serves on its IP)
+    return host, int(port)
+
+
+def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python3 -m execd", description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--listen",
+        type=parse_listen,
+        default=("0.0.0.0", 8000),  # noqa: S104
+        help="HOST:PORT to serve on (default 0.0.0.0:8000; port 0 picks one)",
+    )
+    p.add_argument("--workdir", default=None, help="the session's starting directory")
+    p.add_argument("--max-body-bytes", type=int, default=64 * 1024 * 1024)
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=300.0,
+        help="seconds a keep-alive connection may sit idle",
+    )
+    p.add_argument(
+        "--insecure-no-auth",
+        action="store_true",
+        help="serve without a token (local debugging only)",
+    )
+    p.add_argument("--version", action="version", version=__version__)
+    return p.parse_args(argv)
+
+
+def scrub_environ(names) -> None:
+    """Overwrite the values in the process's original environment block.
+
+    ``os.environ.pop`` only unlinks the variable: /proc/<pid>/environ keeps
+    showing the bytes the kernel placed at exec time, and any command in the
+    sandbox could read them there. So the bytes are blanked in place first.
+    """
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None)
+        env = ctypes.POINTER(ctypes.c_void_p).in_dll(libc, "environ")
+        i = 0
+        while env[i]:
+            entry = ctypes.string_at(env[i])
+            name = entry.split(b"=", 1)[0]
+            if name.decode("latin-1") in names:
+                start = len(name) + 1
+                ctypes.memset(env[i] + start, ord("x"), len(entry) - start)
+            i += 1
+    except (OSError, AttributeError, ValueError) as exc:
+        log.warning("could not scrub the environment block: %s", exc)
+
+
+def read_token(insecure: bool) -> bytes:
+    token = os.environ.get("SANDMAN_EXECD_TOKEN", "")
+    path = os.environ.get("SANDMAN_EXECD_TOKEN_FILE", "")
+    if not token and path:
+        try:
+            with open(path, "rb") as f:
+                token = f.read().decode("utf-8").strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise SystemExit("execd: cannot read SANDMAN_EXECD_TOKEN_FILE: %s" % exc) from None
+    scrub_environ(TOKEN_VARS)
+    for name in TOKEN_VARS:
+        os.environ.pop(name, None)
+    if not token and not insecure:
+        raise SystemExit(
+            "execd: no token: set SANDMAN_EXECD_TOKEN or SANDMAN_EXECD_TOKEN_FILE "
+            "(or pass --insecure-no-auth for local debugging)"
+        )
+    return token.encode("utf-8")
+
+
+def ensure_std_fds() -> None:
+    """PID 1 may start with 0-2 closed; a pipe landing there would be clobbered."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            os.open("/dev/null", os.O_RDWR)
+
+
+def runtime_dir() -> str:
+    base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
+    if not os.access(base, os.W_OK):
+        base = tempfile.gettempdir()
+    return tempfile.mkdtemp(prefix="execd-", dir=base)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ensure_std_fds()
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level,
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    token = read_token(args.insecure_no_auth)
+    if not token:
+        log.warning("serving WITHOUT authentication (--insecure-no-auth)")
+    bash = shutil.which("bash") or "/bin/bash"
+    if not os.access(bash, os.X_OK):
+        raise SystemExit("execd: bash not found")
+    workdir = os.path.abspath(args.workdir or os.getcwd())
+    if not os.path.isdir(workdir):
+        raise SystemExit("execd: --workdir %s is not a directory" % workdir)
+    umask = os.umask(0o022)
+    os.umask(umask)
+    become_subreaper()
+    reaper = Reaper()
+    reaper.start()
+    rundir = runtime_dir()
+    shell = Shell(bash, workdir, dict(os.environ), rundir, reaper)
+    shell.start()
+    state = StateKeeper(shell, workdir, rundir)
+    app = App(token, shell, state, args.max_body_bytes, umask)
+    server = Server(args.listen, app, idle_timeout=args.idle_timeout)
+
+    def stop(signum, _frame):
+        log.info("signal %d: shutting down", signum)
+        threading.Thread(target=server.shutdown, daemon=True).start()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    host, port = server.server_address[:2]
+    log.info(
+        "execd %s listening on %s:%d (pid %d, workdir %s)",
+        __version__,
+        host,
+        port,
+        os.getpid(),
+        workdir,
+    )
+    try:
+        server.serve_forever(poll_interval=0.5)
+    finally:
+        server.server_close()
+        try:
+            shell.close()
+        except Exception:  # best effort at shutdown
+            log.exception("cleanup failed")
+        shutil.rmtree(rundir, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""Routes: authentication first, then the route, then the body, then the work.
+
+The order matters: an unauthenticated caller learns nothing (not even which
+routes exist) and never gets a byte of its body read; a body over the limit is
+refused from its Content-Length alone.
+"""
+
+import hmac
+import os
+import time
+from typing import Callable, Dict, Tuple
+
+from . import __version__, errors, files, validate
+from .output import DEFAULT_MAX_OUTPUT
+from .server import Request, Response
+from .shell import Shell
+
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+
+
+class App:
+    def __init__(self, token: bytes, shell: Shell, state, max_body: int, umask: int) -> None:
+        self._token = token
+        self.shell = shell
+        self.state = state
+        self.max_body = max_body
+        self.umask = umask
+        self.started = time.time()
+        self.routes: Dict[str, Tuple[str, Callable]] = {
+            "/healthz": ("GET", self.healthz),
+            "/v1/info": ("GET", self.info),
+            "/v1/exec": ("POST", self.exec_),
+            "/v1/files/read": ("POST", self.read),
+            "/v1/files/write": ("POST", self.write),
+            "/v1/files/edit": ("POST", self.edit),
+            "/v1/reset": ("POST", self.reset),
+            "/v1/heartbeat": ("POST", self.heartbeat),
+            "/v1/baseline": ("POST", self.baseline),
+            "/v1/state-check": ("POST", self.state_check),
+            "/v1/restore": ("POST", self.restore),
+        }
+
+    def __call__(self, req: Request, read_body: Callable) -> Response:
+        if req.path == "/healthz" and req.method == "GET":
+            return Response(200, self.healthz({}))
+        self._authenticate(req)
+        route = self.routes.get(req.path)
+        if route is None:
+            raise errors.NotFound("no route %s" % req.path, "unknown_route")
+        if req.method != route[0]:
+            raise errors.MethodNotAllowed("%s takes %s, not %s" % (req.path, route[0], req.method))
+        body = read_body(req, self.max_body)
+        result = route[1](validate.parse_json(body))
+        return result if isinstance(result, Response) else Response(200, result)
+
+    def _authenticate(self, req: Request) -> None:
+        if not self._token:
+            return  # --insecure-no-auth
+        header = req.headers.get("authorization", "")
+        scheme, _, given = header.partition(" ")
+        # Compare bytes in constant time; never log or echo what was given.
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+            given.strip().encode("latin-1", "replace"), self._token
+        ):
+            raise errors.Unauthorized("missing or wrong bearer token")
+
+    # ---- handlers --------------------------------------------------------------
+
+    def healthz(self, _doc) -> dict:
+        return {"ok": True, "version": __version__}
+
+    def info(self, _doc) -> dict:
+        out = {
+            "version": __version__,
+            "pid": os.getpid(),
+            "uptime_s": round(time.time() - self.started, 3),
+        }
+        out.update(self.shell.info())
+        out["orphans_reaped"] = self.shell.reaper.orphans_reaped
+        return out
+
+    def heartbeat(self, _doc) -> dict:
+        return {"ok": True, "uptime_s": round(time.time() - self.started, 3)}
+
+    def exec_(self, doc) -> dict:
+        command = validate.string(doc, "command", nul_ok=False)
+        timeout = validate.number(doc, "timeout", 300.0, 0.0, MAX_TIMEOUT_S)
+        cap = validate.integer(doc, "max_output_bytes", DEFAULT_MAX_OUTPUT, 0, 1 << 30)
+        return self.shell.run(command, timeout, cap)
+
+    def read(self, doc) -> Response:
+        return files.read_response(validate.abs_path(doc))
+
+    def write(self, doc) -> dict:
+        path = validate.abs_path(doc)
+        data = validate.b64bytes(doc, "content_b64")
+        mode = validate.integer(doc, "mode", None, 0, 0o7777)
+        return files.write_atomic(path, data, mode, self.umask)
+
+    def edit(self, doc) -> dict:
+        path = validate.abs_path(doc)
+        old = validate.string(doc, "old")
+        new = validate.string(doc, "new")
+        return files.edit_file(path, old, new, self.umask)
+
+    def reset(self, _doc) -> dict:
+        return {"ok": True, "killed": self.shell.reset()}
+
+    def baseline(self, doc) -> dict:
+        return self.state.baseline(doc)
+
+    def state_check(self, doc) -> dict:
+        return self.state.check(doc)
+
+    def restore(self, doc) -> dict:
+        return self.state.restore(doc)

@@ -1,0 +1,203 @@
+"""Reading, atomic writing and string-replace editing of sandbox files.
+
+Writes go to a temporary file in the target's directory, are fsynced and
+renamed over the target, so a reader never sees half a file and a crash leaves
+either the old or the new content. The editor is the agent's most used tool;
+it must never corrupt a file, so it works on exact bytes: it refuses what it
+could not write back byte-exactly (non-UTF-8 files) and tells the agent to use
+the shell, keeps BOM, line endings and the final newline as they were, and
+verifies length and SHA-256 of what landed on disk.
+"""
+
+import base64
+import contextlib
+import errno
+import hashlib
+import os
+import stat
+from typing import Iterator, Optional, Tuple
+
+from . import errors
+from .edit import SHELL_HINT, apply_edit
+from .server import Close, Response
+
+STREAM_OVER = 4 * 1024 * 1024  # larger reads are streamed, not built in memory
+PIECE = 3 * 1024 * 1024  # a multiple of 3: base64 pieces concatenate cleanly
+MAX_EDIT_BYTES = 64 * 1024 * 1024
+
+
+def os_error(exc: OSError, path: str) -> errors.ExecdError:
+    """Map an OSError on a user path to the API error it deserves."""
+    code = exc.errno
+    if code in (errno.ENOENT, errno.ENOTDIR):
+        return errors.NotFound("no such file: %s" % path, "file_not_found")
+    if code == errno.EISDIR:
+        return errors.BadRequest("is a directory: %s" % path, "is_directory")
+    if code in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return errors.Forbidden("%s: %s" % (os.strerror(code), path), "permission_denied")
+    return errors.BadRequest("%s: %s" % (os.strerror(code or 0), path), "os_error")
+
+
+def _open_regular(path: str) -> Tuple[int, os.stat_result]:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)  # a FIFO must not block
+    except OSError as exc:
+        raise os_error(exc, path) from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        if stat.S_ISDIR(st.st_mode):
+            raise errors.BadRequest("is a directory: %s" % path, "is_directory")
+        raise errors.BadRequest("not a regular file: %s" % path, "not_regular_file")
+    return fd, st
+
+
+def _read_all(fd: int) -> bytes:
+    chunks = []
+    while True:
+        data = os.read(fd, 1 << 20)
+        if not data:
+            return b"".join(chunks)
+        chunks.append(data)
+
+
+def read_bytes(path: str) -> bytes:
+    fd, _ = _open_regular(path)
+    try:
+        return _read_all(fd)
+    finally:
+        os.close(fd)
+
+
+def read_response(path: str) -> Response:
+    fd, st = _open_regular(path)
+    if st.st_size <= STREAM_OVER:
+        try:
+            data = _read_all(fd)
+        finally:
+            os.close(fd)
+        return Response(
+            200,
+            {
+                "content_b64": base64.b64encode(data).decode("ascii"),
+                "size": len(data),
+                "sha256": hashlib.sha256(data).hexdigest(),
+            },
+        )
+    size = st.st_size
+    head = b'{"size":%d,"content_b64":"' % size
+    tail_len = len(b'","sha256":""}') + 64
+    length = len(head) + 4 * ((size + 2) // 3) + tail_len
+    return Response(200, chunks=_stream(fd, size, head), length=length)
+
+
+def _stream(fd: int, size: int, head: bytes) -> Iterator[bytes]:
+    """Base64 pieces of exactly ``size`` bytes; the hash rides at the end."""
+    digest = hashlib.sha256()
+    try:
+        yield head
+        left = size
+        while left:
+            data = os.read(fd, min(PIECE, left))
+            while data and len(data) < min(PIECE, left):  # short reads: fill the piece
+                more = os.read(fd, min(PIECE, left) - len(data))
+                if not more:
+                    break
+                data += more
+            if not data:
+                raise Close()  # the file shrank under us: the promised length is a lie now
+            left -= len(data)
+            digest.update(data)
+            yield base64.b64encode(data)
+        yield b'","sha256":"%s"}' % digest.hexdigest().encode()
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: str, data: bytes, mode: Optional[int], umask: int) -> dict:
+    if path.endswith("/"):
+        raise errors.BadRequest("path names a directory: %s" % path, "is_directory")
+    target = os.path.realpath(path) if os.path.islink(path) else path  # write through links
+    parent = os.path.dirname(target) or "/"
+    try:
+        os.makedirs(parent, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise errors.BadRequest("a parent of %s is not a directory" % path, "bad_parent") from None
+    except OSError as exc:
+        raise os_error(exc, path) from None
+    try:
+        old = os.stat(target)
+    except FileNotFoundError:
+        old = None
+    except OSError as exc:
+        raise os_error(exc, path) from None
+    if old is not None and stat.S_ISDIR(old.st_mode):
+        raise errors.BadRequest("is a directory: %s" % path, "is_directory")
+    if mode is None:
+        mode = stat.S_IMODE(old.st_mode) if old is not None else 0o666 & ~umask
+    tmp = os.path.join(
+        parent, ".%s.execd-%s.tmp" % (os.path.basename(target)[:64], os.urandom(6).hex())
+    )
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        raise os_error(exc, path) from None
+    try:
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            if old is not None:
+                with contextlib.suppress(OSError):
+                    os.fchown(fd, old.st_uid, old.st_gid)
+            os.fchmod(fd, mode)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, target)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise os_error(exc, path) from None
+    _fsync_dir(parent)
+    return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def edit_file(path: str, old: str, new: str, umask: int) -> dict:
+    fd, st = _open_regular(path)
+    try:
+        if st.st_size > MAX_EDIT_BYTES:
+            raise errors.Unprocessable(
+                "file is too large for the editor (%d bytes)%s" % (st.st_size, SHELL_HINT),
+                "too_large",
+            )
+        raw = _read_all(fd)
+    finally:
+        os.close(fd)
+    intended = apply_edit(raw, old, new)
+    result = write_atomic(path, intended, stat.S_IMODE(st.st_mode), umask)
+    try:
+        landed = read_bytes(path)
+    except errors.ExecdError:
+        landed = b""
+    if len(landed) != len(intended) or hashlib.sha256(landed).hexdigest() != result["sha256"]:
+        write_atomic(path, raw, stat.S_IMODE(st.st_mode), umask)
+        raise errors.Unprocessable(
+            "the edited file could not be verified on disk (length or "
+            "SHA-256 differ); the original was put back" + SHELL_HINT,
+            "verify_failed",
+        )
+    return result

@@ -1,0 +1,88 @@
+"""The one place that waits for children: reaps orphans, dispatches owned exits.
+
+execd is usually PID 1, and otherwise registers as a child subreaper, so every
+orphan of the session is re-parented to it and must be reaped or zombies pile
+up. A second ``waitpid`` anywhere else would race this loop and could steal the
+exit status of the bash session. So this thread is the only caller of
+``waitpid`` in the process: it reaps everything, and for pids registered by
+``spawn`` it hands the status to the owner's callback instead of dropping it.
+Spawning and registering happen under the same lock the loop takes before
+classifying a pid, so a child that exits instantly is still recognised.
+"""
+
+import ctypes
+import logging
+import os
+import threading
+from typing import Callable, Dict
+
+log = logging.getLogger("execd.reaper")
+
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def become_subreaper() -> bool:
+    """Adopt orphans of our descendants (not needed, and harmless, as PID 1)."""
+    if os.getpid() == 1:
+        return True
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+            log.warning("prctl(PR_SET_CHILD_SUBREAPER) failed: errno %d", ctypes.get_errno())
+            return False
+    except (OSError, AttributeError) as exc:
+        log.warning("cannot become a child subreaper: %s", exc)
+        return False
+    return True
+
+
+def exit_code(status: int) -> int:
+    """Shell convention: the exit status, or 128 + N for death by signal N."""
+    if os.WIFSIGNALED(status):
+        return 128 + os.WTERMSIG(status)
+    if os.WIFEXITED(status):
+        return os.WEXITSTATUS(status)
+    return 255
+
+
+class Reaper:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._owned: Dict[int, Callable[[int], None]] = {}
+        self._have_children = threading.Event()
+        self.orphans_reaped = 0
+
+    def start(self) -> None:
+        threading.Thread(target=self._loop, name="reaper", daemon=True).start()
+
+    def spawn(self, path, argv, env, on_exit: Callable[[int], None], **kwargs) -> int:
+        """posix_spawn a child whose exit status goes to ``on_exit(code)``."""
+        with self._lock:
+            pid = os.posix_spawn(path, argv, env, **kwargs)
+            self._owned[pid] = on_exit
+        self._have_children.set()
+        return pid
+
+    def _loop(self) -> None:
+        while True:
+            # Cleared before waiting: a spawn after this point either is seen by
+            # waitpid or sets the event again, so no child waits 0.5 s unseen.
+            self._have_children.clear()
+            try:
+                pid, status = os.waitpid(-1, 0)
+            except ChildProcessError:
+                self._have_children.wait(0.5)
+                continue
+            except OSError as exc:  # never let the reaper die
+                log.error("waitpid failed: %s", exc)
+                self._have_children.wait(0.1)
+                continue
+            with self._lock:
+                callback = self._owned.pop(pid, None)
+            if callback is None:
+                self.orphans_reaped += 1
+                continue
+            try:
+                callback(exit_code(status))
+            except Exception:  # a broken callback must not stop reaping
+                log.exception("exit callback for pid %d failed", pid)

@@ -1,0 +1,261 @@
+"""A small HTTP/1.1 server: keep-alive, TCP_NODELAY, JSON errors, bounded reads.
+
+Why not ``http.server``: its error pages are HTML, it reads bodies the
+caller never limited, and it answers malformed requests its own way. Here
+every refusal is a JSON error with a fitting status, the body limit is checked
+from Content-Length before a byte of the body is read, and each response goes
+out in one ``sendall`` (with TCP_NODELAY, keep-alive calls never stall on
+delayed ACKs). One daemon thread per connection, a socket timeout per
+connection, and a cap on connections keep slow clients from holding the
+daemon.
+"""
+
+import contextlib
+import json
+import logging
+import socket
+import socketserver
+import threading
+import time
+from typing import Callable, Dict, Iterable, Optional, Tuple
+
+from . import errors
+
+log = logging.getLogger("execd.http")
+
+MAX_LINE = 65536
+MAX_HEADERS = 100
+REASONS = {
+    100: "Continue",
+    200: "OK",
+    400: "Bad Request",
+    401: "Unauthorized",
+    403: "Forbidden",
+    404: "Not Found",
+    405: "Method Not Allowed",
+    409: "Conflict",
+    411: "Length Required",
+    413: "Payload Too Large",
+    422: "Unprocessable Entity",
+    431: "Request Header Fields Too Large",
+    500: "Internal Server Error",
+    503: "Service Unavailable",
+}
+
+
+class Request:
+    __slots__ = ("body", "headers", "keep_alive", "method", "path")
+
+    def __init__(self, method: str, path: str, headers: Dict[str, str], keep_alive: bool) -> None:
+        self.method = method
+        self.path = path
+        self.headers = headers
+        self.keep_alive = keep_alive
+        self.body = b""
+
+
+class Response:
+    """A JSON body, or chunks of an already-encoded body of known length."""
+
+    __slots__ = ("chunks", "length", "status")
+
+    def __init__(
+        self, status: int, body=None, chunks: Optional[Iterable[bytes]] = None, length: int = 0
+    ) -> None:
+        self.status = status
+        if chunks is None:
+            data = json.dumps(body, separators=(",", ":")).encode()
+            chunks, length = (data,), len(data)
+        self.chunks = chunks
+        self.length = length
+
+
+def error_response(exc: errors.ExecdError) -> Response:
+    return Response(exc.status, {"error": {"code": exc.code, "message": exc.message}})
+
+
+class Close(Exception):
+    """The connection cannot go on (unparseable framing, timeout, peer gone)."""
+
+
+class Handler(socketserver.StreamRequestHandler):
+    server: "Server"
+    wbufsize = 0
+
+    def setup(self) -> None:
+        self.request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.request.settimeout(self.server.idle_timeout)
+        super().setup()
+
+    def handle(self) -> None:
+        try:
+            while self._one():
+                pass
+        except (Close, OSError):
+            pass
+
+    def _one(self) -> bool:
+        try:
+            req = self._read_head()
+        except errors.ExecdError as exc:
+            self._send(error_response(exc), keep_alive=False)
+            return False
+        if req is None:
+            return False
+        started = time.monotonic()
+        try:
+            resp = self.server.app(req, self._read_body)
+        except errors.ExecdError as exc:
+            resp = error_response(exc)
+        except Close:
+            raise
+        except Exception:
+            log.exception("internal error on %s %s", req.method, req.path)
+            resp = error_response(errors.ExecdError("internal error"))
+        if req.body is None:  # refused before reading the body: skip it or close
+            req.keep_alive = req.keep_alive and self._skip_body(req)
+        self._send(resp, req.keep_alive)
+        log.info(
+            "%s %s %d %.1fms",
+            req.method,
+            req.path,
+            resp.status,
+            (time.monotonic() - started) * 1000,
+        )
+        return req.keep_alive
+
+    def _readline(self) -> bytes:
+        line = self.rfile.readline(MAX_LINE + 1)
+        if len(line) > MAX_LINE:
+            raise errors.HeadersTooLarge("request line or header too long")
+        return line
+
+    def _read_head(self) -> Optional[Request]:
+        line = self._readline()
+        while line in (b"\r\n", b"\n"):  # tolerate stray CRLF between requests
+            line = self._readline()
+        if not line:
+            return None
+        self.request.settimeout(self.server.request_timeout)
+        parts = line.split()
+        if len(parts) != 3 or not parts[2].startswith(b"HTTP/1."):
+            raise errors.BadRequest("malformed request line")
+        headers: Dict[str, str] = {}
+        for _ in range(MAX_HEADERS + 1):
+            line = self._readline()
+            if line in (b"\r\n", b"\n"):
+                break
+            if not line:
+                raise Close()
+            name, sep, value = line.decode("latin-1").partition(":")
+            if not sep or not name or name != name.strip():
+                raise errors.BadRequest("malformed header line")
+            name = name.lower()
+            value = value.strip()
+            if name == "content-length" and headers.get(name, value) != value:
+                raise errors.BadRequest("conflicting Content-Length headers")
+            headers[name] = value
+        else:
+            raise errors.HeadersTooLarge("too many headers")
+        version = parts[2].decode("latin-1")
+        conn = headers.get("connection", "").lower()
+        keep = "close" not in conn if version != "HTTP/1.0" else "keep-alive" in conn
+        target = parts[1].decode("latin-1")
+        req = Request(parts[0].decode("latin-1"), target.split("?", 1)[0], headers, keep)
+        req.body = None  # unread until _read_body
+        return req
+
+    def _read_body(self, req: Request, limit: int) -> bytes:
+        """Read the body after the route and auth were accepted."""
+        if "transfer-encoding" in req.headers:
+            raise errors.LengthRequired("chunked bodies are not accepted: send Content-Length")
+        raw = req.headers.get("content-length")
+        if raw is None:
+            if req.method in ("GET", "HEAD", "DELETE"):
+                req.body = b""
+                return b""
+            raise errors.LengthRequired("Content-Length is required")
+        if not raw.isdigit() or len(raw) > 18:
+            raise errors.BadRequest("invalid Content-Length")
+        length = int(raw)
+        if length > limit:
+            raise errors.PayloadTooLarge(
+                "body of %d bytes is over the %d-byte limit" % (length, limit)
+            )
+        if req.headers.get("expect", "").lower() == "100-continue":
+            self.wfile.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        body = self.rfile.read(length)
+        if len(body) != length:
+            raise Close()
+        req.body = body
+        return body
+
+    def _skip_body(self, req: Request) -> bool:
+        raw = req.headers.get("content-length", "0" if req.method == "GET" else "")
+        if "transfer-encoding" in req.headers or not raw.isdigit() or int(raw) > MAX_LINE:
+            return False
+        if req.headers.get("expect", "").lower() == "100-continue":
+            return False  # the client waits for our verdict and sends no body
+        return len(self.rfile.read(int(raw))) == int(raw)
+
+    def _send(self, resp: Response, keep_alive: bool) -> None:
+        head = (
+            "HTTP/1.1 %d %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
+            "Connection: %s\r\n\r\n"
+            % (
+                resp.status,
+                REASONS.get(resp.status, "Unknown"),
+                resp.length,
+                "keep-alive" if keep_alive else "close",
+            )
+        ).encode()
+        first = True
+        for chunk in resp.chunks:
+            if first and len(chunk) < 65536:
+                self.wfile.write(head + chunk)
+            else:
+                if first:
+                    self.wfile.write(head)
+                self.wfile.write(chunk)
+            first = False
+        if first:
+            self.wfile.write(head)
+
+
+class Server(socketserver.ThreadingMixIn, socketserver.TCPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+    request_queue_size = 128
+    block_on_close = False
+
+    def __init__(
+        self,
+        address: Tuple[str, int],
+        app: Callable,
+        idle_timeout: float = 300.0,
+        request_timeout: float = 60.0,
+        max_connections: int = 256,
+    ) -> None:
+        self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
+        self.app = app
+        self.idle_timeout = idle_timeout
+        self.request_timeout = request_timeout
+        self._slots = threading.BoundedSemaphore(max_connections)
+        super().__init__(address, Handler)
+
+    def process_request(self, request, client_address) -> None:
+        if not self._slots.acquire(blocking=False):
+            with contextlib.suppress(OSError):
+                request.sendall(
+                    b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\n"
+                    b"Connection: close\r\n\r\n"
+                )
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()

@@ -1,0 +1,136 @@
+"""The sandbox's one shell: serialises calls and replaces a dead bash.
+
+Calls are serialised by one lock, so concurrent requests never mix their
+output. When bash dies (``exit``, ``set -e``, ``exec``, an unwinding timeout
+that had to kill it), the call that killed it still returns the status, and
+the next call starts a fresh session in the starting directory and reports
+``session_restarted: true``.
+"""
+
+import logging
+import os
+import threading
+import time
+from typing import Dict, Optional, Tuple
+
+from . import proc
+from .reaper import Reaper
+from .session import Call, Session
+
+log = logging.getLogger("execd.shell")
+
+
+class Shell:
+    def __init__(
+        self, bash: str, workdir: str, env: Dict[str, str], runtime_dir: str, reaper: Reaper
+    ) -> None:
+        self.bash = bash
+        self.workdir = workdir
+        self.env = env
+        self.runtime_dir = runtime_dir
+        self.reaper = reaper
+        self.lock = threading.Lock()
+        self.session: Optional[Session] = None
+        self._restart_pending = False
+        self._next_id = 1
+        self._generation = 0
+        self.restarts = 0
+
+    def _ensure(self, consume: bool = True) -> Tuple[Session, bool]:
+        session = self.session
+        if session is not None and session.dead:
+            self._discard()
+            session = None
+        if session is None:
+            self._generation += 1
+            script = os.path.join(self.runtime_dir, "cmd-%d.sh" % self._generation)
+            session = Session(self.bash, self.workdir, self.env, script, self.reaper)
+            self.session = session
+            restarted = self._restart_pending
+            if restarted:
+                self.restarts += 1
+            # An internal query keeps the news for the next user call.
+            self._restart_pending = restarted and not consume
+            return session, restarted
+        return session, False
+
+    def _discard(self) -> None:
+        session, self.session = self.session, None
+        if session is None:
+            return
+        if not session.dead:
+            session.kill()
+            deadline = time.monotonic() + 5
+            while not session.dead and time.monotonic() < deadline:
+                time.sleep(0.002)
+        session.close()
+        self._restart_pending = True
+
+    def start(self) -> None:
+        with self.lock:
+            self._ensure()
+
+    def _run(
+        self, command: str, timeout: float, cap: int, consume: bool = True
+    ) -> Tuple[Call, bool]:
+        session, restarted = self._ensure(consume)
+        call_id = self._next_id
+        self._next_id += 1
+        call = session.run(call_id, command, timeout, cap)
+        if session.dead:
+            self._discard()
+        return call, restarted
+
+    def run(self, command: str, timeout: float, cap: int) -> dict:
+        with self.lock:
+            started = time.monotonic()
+            call, restarted = self._run(command, timeout, cap)
+            return {
+                "exit_code": None if call.timed_out else call.exit_code,
+                "stdout": call.out.text(),
+                "stderr": call.err.text(),
+                "timed_out": call.timed_out,
+                "truncated": call.out.truncated or call.err.truncated,
+                "stdout_bytes": call.out.total,
+                "stderr_bytes": call.err.total,
+                "duration_s": round(time.monotonic() - started, 6),
+                "session_restarted": restarted,
+            }
+
+    def query(self, command: str, timeout: float = 10.0) -> Tuple[Optional[int], bytes]:
+        """Run an internal command (state capture); returns (status, raw stdout)."""
+        with self.lock:
+            call, _ = self._run(command, timeout, 64 * 1024 * 1024, consume=False)
+        return (None if call.timed_out else call.exit_code), call.out.raw()
+
+    def reset(self) -> int:
+        """Kill every process below execd and start a fresh bash in the workdir."""
+        with self.lock:
+            me = os.getpid()
+            killed = proc.kill_tree(lambda t: proc.descendants(t, [me]))
+            self._discard()
+            self._restart_pending = False
+            self._ensure()
+            return max(0, killed - 1)  # the old bash itself is not counted
+
+    def close(self) -> None:
+        """At shutdown: kill everything below execd, start nothing."""
+        with self.lock:
+            me = os.getpid()
+            proc.kill_tree(lambda t: proc.descendants(t, [me]))
+            self._discard()
+
+    def restart(self) -> None:
+        """Fresh bash, same processes otherwise (used by restore)."""
+        with self.lock:
+            self._discard()
+            self._restart_pending = False
+            self._ensure()
+
+    def info(self) -> dict:
+        session = self.session
+        return {
+            "session_pid": None if session is None or session.dead else session.pid,
+            "session_restarts": self.restarts,
+            "calls": self._next_id - 1,
+        }

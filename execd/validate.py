@@ -1,0 +1,92 @@
+"""Request body parsing and field checks: bad input is always a 400, never a 500."""
+
+import base64
+import binascii
+import json
+import math
+from typing import Any, Dict, Optional
+
+from .errors import BadRequest
+
+_MISSING = object()
+
+
+def parse_json(body: bytes) -> Dict[str, Any]:
+    if not body.strip():
+        return {}
+    try:
+        doc = json.loads(body.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise BadRequest("body is not valid UTF-8", "invalid_json") from None
+    except (ValueError, RecursionError) as exc:
+        raise BadRequest("body is not valid JSON: %s" % str(exc)[:200], "invalid_json") from None
+    if not isinstance(doc, dict):
+        raise BadRequest("body must be a JSON object", "invalid_json")
+    return doc
+
+
+def _get(doc: Dict[str, Any], name: str, default: Any) -> Any:
+    value = doc.get(name, _MISSING)
+    if value is _MISSING or value is None:
+        if default is _MISSING:
+            raise BadRequest("missing field %r" % name, "missing_field")
+        return default
+    return value
+
+
+def string(
+    doc: Dict[str, Any], name: str, default: Any = _MISSING, nul_ok: bool = True, text: bool = True
+) -> Any:
+    value = _get(doc, name, default)
+    if value is default and default is not _MISSING:
+        return value
+    if not isinstance(value, str):
+        raise BadRequest("field %r must be a string" % name, "invalid_field")
+    if text:
+        try:  # JSON allows lone surrogates ("\\ud800"); they have no UTF-8 form
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise BadRequest("field %r is not valid Unicode text" % name, "invalid_field") from None
+    if not nul_ok and "\0" in value:
+        raise BadRequest("field %r must not contain NUL" % name, "invalid_field")
+    return value
+
+
+def integer(
+    doc: Dict[str, Any], name: str, default: Any = _MISSING, lo: int = 0, hi: int = 2**62
+) -> Any:
+    value = _get(doc, name, default)
+    if value is default and default is not _MISSING:
+        return value
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise BadRequest("field %r must be an integer" % name, "invalid_field")
+    if not lo <= value <= hi:
+        raise BadRequest("field %r must be between %d and %d" % (name, lo, hi), "invalid_field")
+    return value
+
+
+def number(doc: Dict[str, Any], name: str, default: float, lo: float, hi: float) -> float:
+    value = _get(doc, name, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise BadRequest("field %r must be a number" % name, "invalid_field")
+    value = float(value)
+    if math.isnan(value) or not lo < value <= hi:
+        raise BadRequest("field %r must be > %g and <= %g" % (name, lo, hi), "invalid_field")
+    return value
+
+
+def b64bytes(doc: Dict[str, Any], name: str) -> bytes:
+    value = string(doc, name, text=False)
+    if len(value) % 4:  # b64decode tolerates stray padding; a length error is still an error
+        raise BadRequest("field %r is not valid base64 (length)" % name, "invalid_base64")
+    try:
+        return base64.b64decode(value.encode("ascii"), validate=True)
+    except (binascii.Error, UnicodeEncodeError, ValueError):
+        raise BadRequest("field %r is not valid base64" % name, "invalid_base64") from None
+
+
+def abs_path(doc: Dict[str, Any], name: str = "path", default: Optional[str] = None) -> str:
+    value = string(doc, name, default if default is not None else _MISSING, nul_ok=False)
+    if not value.startswith("/"):
+        raise BadRequest("field %r must be an absolute path" % name, "relative_path")
+    return value

@@ -1,0 +1,91 @@
+"""execd as it is deployed: from a read-only copy, on the oldest Python at hand."""
+
+import os
+import shutil
+import stat
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from .conftest import REPO, Daemon, oldest_python
+
+pytestmark = pytest.mark.integration
+
+
+def snapshot(root: Path):
+    return sorted((str(p.relative_to(root)), p.stat().st_mtime_ns) for p in root.rglob("*"))
+
+
+def test_runs_from_read_only_copy_and_writes_nothing(tmp_path):
+    base = Path(tempfile.mkdtemp(prefix="execd-ro-"))
+    os.chmod(base, 0o755)
+    try:
+        shutil.copytree(
+            REPO / "execd", base / "execd", ignore=shutil.ignore_patterns("__pycache__")
+        )
+        for p in [base, *base.rglob("*")]:
+            os.chmod(p, stat.S_IMODE(p.stat().st_mode) & ~0o222)
+        before = snapshot(base)
+        work = Path(tempfile.mkdtemp(prefix="execd-ro-work-"))
+        os.chmod(work, 0o777)
+        env = {"PYTHONDONTWRITEBYTECODE": ""}
+        # chmod a-w does not stop root: run as nobody so the copy is read-only for real.
+        kw = {"user": 65534, "group": 65534} if os.geteuid() == 0 else {}
+        env_clean = {k: v for k, v in env.items() if v}
+        d = Daemon(
+            tmp_path, cwd=base, python=oldest_python(), popen_kw=kw, workdir=work, env=env_clean
+        )
+        try:
+            c = d.client()
+            assert c.exec("echo ok; id -u")["stdout"].startswith("ok\n")
+            assert c.exec("python3 -c 'import sys; print(sys.version_info[:2])'")["exit_code"] == 0
+        finally:
+            d.stop()
+        assert snapshot(base) == before
+        assert not list(base.rglob("__pycache__"))
+    finally:
+        for p in [base, *base.rglob("*")]:
+            os.chmod(p, 0o755)
+        shutil.rmtree(base, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def test_refuses_to_start_without_token(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SANDMAN_")}
+    res = subprocess.run(
+        [oldest_python(), "-m", "execd", "--listen", "127.0.0.1:0"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert res.returncode != 0 and "token" in res.stderr.lower()
+
+
+def test_token_from_file(tmp_path):
+    token_file = tmp_path / "token"
+    token_file.write_text("file-token-123\n")
+    d = Daemon(
+        tmp_path,
+        env={"SANDMAN_EXECD_TOKEN": "", "SANDMAN_EXECD_TOKEN_FILE": str(token_file)},
+        token="file-token-123",
+    )
+    try:
+        c = d.client()
+        r = c.exec("env | grep -c SANDMAN_EXECD_TOKEN; echo")
+        assert r["stdout"].startswith("0")
+    finally:
+        d.stop()
+
+
+def test_insecure_no_auth_flag(tmp_path):
+    d = Daemon(tmp_path, args=["--insecure-no-auth"], env={"SANDMAN_EXECD_TOKEN": ""})
+    try:
+        c = d.client()
+        assert c.request("POST", "/v1/exec", {"command": "true"}, auth=False)[0] == 200
+    finally:
+        d.stop()

@@ -1,0 +1,171 @@
+"""The /v1/files/* contract over HTTP, including property-based round trips."""
+
+import base64
+import hashlib
+import os
+import stat
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+pytestmark = pytest.mark.integration
+FAST = settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+
+
+def test_write_read_roundtrip_creates_parents(client, tmp_path):
+    path = tmp_path / "a" / "b" / "c.bin"
+    data = b"\0\x01hello\xff\0"
+    r = client.write(path, data)
+    assert r == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    assert path.read_bytes() == data
+    doc = client.post("/v1/files/read", {"path": str(path)})
+    assert doc["sha256"] == r["sha256"] and base64.b64decode(doc["content_b64"]) == data
+    assert [p.name for p in path.parent.iterdir()] == ["c.bin"]  # no temp file left
+
+
+def test_write_mode_and_mode_preserved(client, tmp_path):
+    path = tmp_path / "script.sh"
+    client.write(path, b"#!/bin/sh\n", mode=0o750)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o750
+    client.write(path, b"#!/bin/sh\necho\n")
+    assert stat.S_IMODE(path.stat().st_mode) == 0o750
+
+
+def test_write_empty_and_through_symlink(client, tmp_path):
+    target = tmp_path / "real.txt"
+    target.write_text("old")
+    link = tmp_path / "link.txt"
+    link.symlink_to(target)
+    client.write(link, b"")
+    assert link.is_symlink() and target.read_bytes() == b""
+
+
+def test_large_file_roundtrip(client, tmp_path):
+    data = os.urandom(6 * 1024 * 1024 + 5)  # over the streaming threshold
+    path = tmp_path / "big.bin"
+    client.write(path, data)
+    doc = client.post("/v1/files/read", {"path": str(path)})
+    assert doc["size"] == len(data) and doc["sha256"] == hashlib.sha256(data).hexdigest()
+    assert base64.b64decode(doc["content_b64"]) == data
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "code"),
+    [
+        ({"path": "relative/x"}, 400, "relative_path"),
+        ({"path": ""}, 400, "relative_path"),
+        ({"path": 5}, 400, "invalid_field"),
+        ({}, 400, "missing_field"),
+        ({"path": "/no/such/file/anywhere"}, 404, "file_not_found"),
+        ({"path": "/etc/passwd/below-a-file"}, 404, "file_not_found"),
+        ({"path": "/tmp"}, 400, "is_directory"),
+        ({"path": "/tmp/a\u0000b"}, 400, "invalid_field"),
+        ({"path": "/tmp/\ud800"}, 400, "invalid_field"),
+    ],
+)
+def test_read_refusals(client, body, status, code):
+    got, doc = client.request("POST", "/v1/files/read", body)
+    assert (got, doc["error"]["code"]) == (status, code)
+
+
+@pytest.mark.parametrize(
+    ("body", "code"),
+    [
+        ({"path": "/tmp/x", "content_b64": "!!!notbase64"}, "invalid_base64"),
+        ({"path": "/tmp/x", "content_b64": "YWJj="}, "invalid_base64"),
+        ({"path": "/tmp/x", "content_b64": 12}, "invalid_field"),
+        ({"path": "/tmp/x"}, "missing_field"),
+        ({"path": "/tmp/x", "content_b64": "", "mode": "644"}, "invalid_field"),
+        ({"path": "/tmp/x", "content_b64": "", "mode": True}, "invalid_field"),
+        ({"path": "/tmp/x", "content_b64": "", "mode": 0o17777}, "invalid_field"),
+        ({"path": "x", "content_b64": ""}, "relative_path"),
+        ({"path": "/tmp/", "content_b64": ""}, "is_directory"),
+    ],
+)
+def test_write_refusals(client, body, code):
+    got, doc = client.request("POST", "/v1/files/write", body)
+    assert (got, doc["error"]["code"]) == (400, code)
+
+
+def test_write_under_a_file_is_refused(client, tmp_path):
+    (tmp_path / "f").write_text("x")
+    got, doc = client.request(
+        "POST", "/v1/files/write", {"path": str(tmp_path / "f" / "g"), "content_b64": ""}
+    )
+    assert got == 400 and doc["error"]["code"] == "bad_parent"
+
+
+@FAST
+@given(data=st.binary(max_size=4096))
+def test_roundtrip_arbitrary_bytes(client, tmp_path, data):
+    path = tmp_path / "prop.bin"
+    r = client.write(path, data)
+    assert r["sha256"] == hashlib.sha256(data).hexdigest()
+    assert client.read(path) == data
+
+
+def edit(client, path, old, new, status=200):
+    return client.post("/v1/files/edit", {"path": str(path), "old": old, "new": new}, status)
+
+
+def test_edit_replaces_once_and_verifies(client, tmp_path):
+    path = tmp_path / "e.py"
+    path.write_bytes(b"def f():\n    return 1\n")
+    os.chmod(path, 0o640)
+    r = edit(client, path, "return 1", "return 2")
+    assert path.read_bytes() == b"def f():\n    return 2\n"
+    assert r == {"size": 22, "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
+    assert stat.S_IMODE(path.stat().st_mode) == 0o640
+
+
+def test_edit_no_match_and_ambiguous(client, tmp_path):
+    path = tmp_path / "e.txt"
+    path.write_text("x = 1\nx = 1\n")
+    doc = edit(client, path, "y = 2", "z", status=409)
+    assert doc["error"]["code"] == "no_match" and "not found" in doc["error"]["message"]
+    doc = edit(client, path, "x = 1", "z", status=409)
+    assert doc["error"]["code"] == "ambiguous_match" and "2 times" in doc["error"]["message"]
+    assert path.read_text() == "x = 1\nx = 1\n"
+
+
+def test_edit_crlf_bom_and_missing_final_newline(client, tmp_path):
+    path = tmp_path / "win.txt"
+    path.write_bytes(b"\xef\xbb\xbfone\r\ntwo\r\nthree")
+    edit(client, path, "one\ntwo", "uno\ndos\nextra")
+    assert path.read_bytes() == b"\xef\xbb\xbfuno\r\ndos\r\nextra\r\nthree"
+
+
+def test_edit_mixed_line_endings_refused_clearly(client, tmp_path):
+    path = tmp_path / "mixed.txt"
+    path.write_bytes(b"a\r\nb\nc\r\n")
+    doc = edit(client, path, "a\nb", "x", status=409)
+    assert doc["error"]["code"] == "mixed_line_endings" and "CRLF" in doc["error"]["message"]
+    edit(client, path, "a\r\nb\n", "x\n")  # exact endings work
+    assert path.read_bytes() == b"x\nc\r\n"
+
+
+def test_edit_non_utf8_refused_with_shell_hint(client, tmp_path):
+    path = tmp_path / "latin1.txt"
+    path.write_bytes(b"caf\xe9\n")
+    doc = edit(client, path, "caf", "bar", status=422)
+    assert doc["error"]["code"] == "not_utf8" and "shell" in doc["error"]["message"]
+    assert path.read_bytes() == b"caf\xe9\n"
+
+
+def test_edit_refusals(client, tmp_path):
+    got, doc = client.request(
+        "POST", "/v1/files/edit", {"path": str(tmp_path / "nope"), "old": "a", "new": "b"}
+    )
+    assert got == 404
+    (tmp_path / "f").write_text("abc")
+    got, doc = client.request(
+        "POST", "/v1/files/edit", {"path": str(tmp_path / "f"), "old": "", "new": "b"}
+    )
+    assert got == 400
+    got, doc = client.request(
+        "POST", "/v1/files/edit", {"path": str(tmp_path / "f"), "old": "a", "new": None}
+    )
+    assert got == 400 and doc["error"]["code"] == "missing_field"
