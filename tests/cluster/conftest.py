@@ -74,7 +74,7 @@ def kubeconfig_path() -> str:
 def k8s_api_client(kubeconfig_path: str) -> Iterator[Any]:
     from kubernetes import client, config
 
-    api = config.new_client_from_config(config_file=kubeconfig_path)
+    api = config.new_client_from_config(config_file=kubeconfig_path)  # type: ignore[no-untyped-call]
     try:
         client.VersionApi(api).get_code(_request_timeout=10)
     except Exception as exc:
@@ -108,7 +108,7 @@ def wait_until(
 def namespace(core_v1: Any, request: pytest.FixtureRequest) -> Iterator[str]:
     """A fresh namespace for one test, deleted afterwards."""
     from kubernetes import client
-    from kubernetes.client.rest import ApiException
+    from kubernetes.client.exceptions import ApiException
 
     base = request.node.name.lower().replace("_", "-")[:40].strip("-")
     name = f"lc-{base}-{secrets.token_hex(3)}"

@@ -35,7 +35,7 @@ def _ready(node: Any) -> bool:
     return any(c.type == "Ready" and c.status == "True" for c in node.status.conditions or [])
 
 
-def _pod(name: str, spec: dict[str, Any], labels: dict[str, str] | None = None) -> dict:
+def _pod(name: str, spec: dict[str, Any], labels: dict[str, str] | None = None) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "Pod",
@@ -234,7 +234,7 @@ def test_topology_spread_over_kwok_nodes(core_v1: Any, namespace: str) -> None:
     def all_running() -> list[Any] | None:
         pods = core_v1.list_namespaced_pod(namespace, label_selector="app=spread").items
         if len(pods) == count and all(p.status.phase == "Running" for p in pods):
-            return pods
+            return list(pods)
         return None
 
     pods = wait_until(all_running, 120, what=f"{count} spread pods Running")
