@@ -156,7 +156,7 @@ class AsyncSandboxClient:
 
     async def aclose(self) -> None:
         await self.http.aclose()
-        await self.redis.aclose()
+        await self.redis.aclose()  # type: ignore[attr-defined]  # stubs predate redis 5
         self._sync.close()
 
     async def send(self, name: str, args: list[Any], queue: str) -> None:

@@ -31,7 +31,7 @@ from broker.errors import AcquireTimeout
 PREFIX = "sandman:pace"
 
 # KEYS: bucket keys. ARGV: max_wait, then (interval, burst) per key.
-# Returns {granted 0|1, wait seconds as a string}.
+# Returns {granted 0|1, wait seconds, reserved start (Redis time)} as strings.
 _BUCKET_LUA = """
 redis.replicate_commands()
 local t = redis.call('TIME')
@@ -50,7 +50,7 @@ for i, key in ipairs(KEYS) do
 end
 local wait = start - now
 if wait > max_wait then
-  return {0, tostring(wait)}
+  return {0, tostring(wait), tostring(start)}
 end
 for i, key in ipairs(KEYS) do
   local interval = tonumber(ARGV[2 * i])
@@ -60,7 +60,7 @@ for i, key in ipairs(KEYS) do
   local ttl = math.ceil((tat - now + 60) * 1000)
   redis.call('SET', key, string.format('%.6f', tat), 'PX', ttl)
 end
-return {1, tostring(wait)}
+return {1, tostring(wait), string.format('%.6f', start)}
 """
 
 # KEYS: semaphore keys. ARGV: member, ttl seconds, then one limit per key.
@@ -115,13 +115,18 @@ class Pacer:
 
     def reserve(self, limits: Limits, *, max_wait: float) -> float | None:
         """Reserve a create start; return the wait before it, or None past ``max_wait``."""
+        got = self.reserve_at(limits, max_wait=max_wait)
+        return None if got is None else got[0]
+
+    def reserve_at(self, limits: Limits, *, max_wait: float) -> tuple[float, float] | None:
+        """Like ``reserve``, also returning the reserved start in Redis server time."""
         keys = [f"{PREFIX}:bucket:global"]
         args: list[Any] = [max_wait, 1.0 / limits.rate, limits.burst]
         if limits.job and limits.job_rate:
             keys.append(f"{PREFIX}:bucket:job:{limits.job}")
             args += [1.0 / limits.job_rate, limits.job_burst or 1]
-        granted, wait = self._bucket(keys=keys, args=args)
-        return float(wait) if int(granted) else None
+        granted, wait, start = self._bucket(keys=keys, args=args)
+        return (float(wait), float(start)) if int(granted) else None
 
     def take(self, limits: Limits, *, deadline: float) -> None:
         """Block (monotonic ``deadline``) until this caller may start one create."""
