@@ -33,7 +33,6 @@ class Shell:
         self.session: Optional[Session] = None
         self._restart_pending = False
         self._next_id = 1
-        self._generation = 0
         self.restarts = 0
 
     def _ensure(self, consume: bool = True) -> Tuple[Session, bool]:
@@ -42,8 +41,9 @@ class Shell:
             self._discard()
             session = None
         if session is None:
-            self._generation += 1
-            script = os.path.join(self.runtime_dir, "cmd-%d.sh" % self._generation)
+            # One path for every session (they never overlap): the session's
+            # shape (its alias text) must not differ after a restart.
+            script = os.path.join(self.runtime_dir, "command")
             session = Session(self.bash, self.workdir, self.env, script, self.reaper)
             self.session = session
             restarted = self._restart_pending
