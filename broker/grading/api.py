@@ -1,0 +1,116 @@
+"""The trainer-facing grading API: ``grade(task, patch)``, sync and asyncio.
+
+    from broker.client import SandboxClient
+    from broker.grading import GradingClient, load_task
+
+    grader = GradingClient(SandboxClient(redis_url), job="rl-1")
+    task = load_task("tasks/statlib.json")
+    with client.acquire(image=task.image, job="rl-1", workdir=task.repo_path) as rollout:
+        ...  # the agent works
+        result = grader.grade_rollout(rollout, task)   # extract, then grade elsewhere
+    reward = result.reward  # 1.0, 0.0, or None for infra_error (mask the sample)
+
+    result = await grader.agrade(task, patch_bytes)   # from asyncio code
+
+The grading sandbox is always a new acquire with role "grading"; the rollout sandbox is
+only read (patch extraction), never graded in place. The async variants run the
+blocking client in a worker thread, so many gradings can be awaited concurrently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from contextlib import AbstractContextManager
+from pathlib import Path
+
+from broker.client import SandboxClient
+from broker.grading.grade import GradeConfig, Grader
+from broker.grading.patch import ExtractedPatch, extract_patch
+from broker.grading.results import GradeResult
+from broker.grading.seam import Acquire, GradingSandbox, SandboxRequest
+from broker.grading.spec import TaskSpec, load_task
+
+TaskLike = TaskSpec | str | Path
+PatchLike = bytes | str | ExtractedPatch | None
+
+
+def broker_acquire(client: SandboxClient, job: str) -> Acquire:
+    """Grading sandboxes from the broker (pools, pacing and checked reuse per the job)."""
+
+    def acquire(request: SandboxRequest) -> AbstractContextManager[GradingSandbox]:
+        return client.acquire(
+            image=request.image,
+            job=job,
+            cpu=request.cpu,
+            memory=request.memory_b,
+            timeout=request.timeout_s,
+            role=request.role,
+            image_digest=request.image_digest,
+            base_commit=request.base_commit,
+            workdir=request.workdir,
+            env=request.env,
+        )
+
+    return acquire
+
+
+def _task(task: TaskLike) -> TaskSpec:
+    return task if isinstance(task, TaskSpec) else load_task(task)
+
+
+class GradingClient:
+    def __init__(
+        self,
+        client: SandboxClient | None = None,
+        *,
+        job: str = "",
+        config: GradeConfig | None = None,
+        acquire: Acquire | None = None,
+    ) -> None:
+        if acquire is None:
+            if client is None or not job:
+                raise ValueError("give a SandboxClient and a job, or an acquire function")
+            acquire = broker_acquire(client, job)
+        self.grader = Grader(acquire, config)
+
+    def grade(self, task: TaskLike, patch: PatchLike) -> GradeResult:
+        return self.grader.grade(_task(task), patch)
+
+    async def agrade(self, task: TaskLike, patch: PatchLike) -> GradeResult:
+        return await asyncio.to_thread(self.grade, task, patch)
+
+    def extract(self, rollout: GradingSandbox, task: TaskLike) -> ExtractedPatch:
+        return extract_patch(rollout, _task(task))
+
+    def grade_rollout(self, rollout: GradingSandbox, task: TaskLike) -> GradeResult:
+        spec = _task(task)
+        return self.grade(spec, extract_patch(rollout, spec))
+
+    async def agrade_rollout(self, rollout: GradingSandbox, task: TaskLike) -> GradeResult:
+        return await asyncio.to_thread(self.grade_rollout, rollout, task)
+
+
+def grade(
+    task: TaskLike,
+    patch: PatchLike,
+    *,
+    client: SandboxClient | None = None,
+    job: str = "",
+    config: GradeConfig | None = None,
+    acquire: Acquire | None = None,
+) -> GradeResult:
+    """One-shot ``grade(task, patch)`` (build a GradingClient to grade many)."""
+    return GradingClient(client, job=job, config=config, acquire=acquire).grade(task, patch)
+
+
+async def agrade(
+    task: TaskLike,
+    patch: PatchLike,
+    *,
+    client: SandboxClient | None = None,
+    job: str = "",
+    config: GradeConfig | None = None,
+    acquire: Acquire | None = None,
+) -> GradeResult:
+    gc = GradingClient(client, job=job, config=config, acquire=acquire)
+    return await gc.agrade(task, patch)

@@ -1,0 +1,286 @@
+"""Grade one patch for one task: fresh grading sandbox -> probe -> apply -> tests -> verdict.
+
+The protocol, per attempt:
+1. acquire a sandbox with role "grading" (never the rollout's; a reused one only when
+   the config allows it), with the declared environment (hash seed, TZ, locale);
+2. probe the run conditions inside it and refuse on a contradiction;
+3. check the worktree is pristine at the base commit, apply the agent patch (test-file
+   sections already dropped on the broker side), restore the declared test files from
+   the base commit and apply the task's test patch;
+4. run the test command with the declared timeout and parse per-test outcomes;
+5. release (always).
+Infrastructure failures (typed ``InfrastructureError``) are retried a bounded number of
+times with a fresh sandbox and, if they persist, reported as ``infra_error``: never as a
+failed patch. A patch that does not apply is the patch's fault: ``unresolved``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import shlex
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from broker.errors import ExecError, InfrastructureError, SandmanError
+from broker.grading import testlog
+from broker.grading.patch import ExtractedPatch, is_excluded
+from broker.grading.patchfmt import filter_patch, patch_paths
+from broker.grading.probe import ProbeContradiction, ProbeReport, run_probe
+from broker.grading.results import Attempt, GradeResult, Verdict
+from broker.grading.seam import Acquire, GradingSandbox, SandboxRequest
+from broker.grading.spec import TaskSpec
+from broker.validation import parse_memory
+
+log = logging.getLogger(__name__)
+WORK = "/tmp/sandman-grade"  # noqa: S108 (inside the sandbox, not here)
+
+
+class GradingSandboxRejected(InfrastructureError):
+    """The sandbox handed out cannot be used for grading (dirty, reused when not allowed)."""
+
+    code = "grading_sandbox_rejected"
+
+
+class TaskError(SandmanError):
+    """The task itself is broken (its test patch does not apply): not the agent's fault."""
+
+    code = "task_error"
+
+
+@dataclass(frozen=True)
+class GradeConfig:
+    max_attempts: int = 3
+    retry_backoff_s: float = 1.0
+    default_timeout_s: float = 1800.0  # when the task declares no timeout
+    cpu: float = 1.0  # when the task declares no cpus
+    memory: str | int = "2Gi"  # when the task declares no memory
+    acquire_timeout_s: float = 600.0
+    egress_host: str = "example.com"
+    egress_timeout_s: float = 3.0
+    refuse_unreadable: bool = False
+    allow_reuse: bool = False
+    output_tail_chars: int = 8000
+    max_output_bytes: int = 8 << 20
+
+
+def as_patch_bytes(patch: bytes | str | ExtractedPatch | None) -> bytes:
+    if patch is None:
+        return b""
+    if isinstance(patch, ExtractedPatch):
+        return patch.patch
+    return patch.encode() if isinstance(patch, str) else patch
+
+
+def apply_script(task: TaskSpec, agent_patch: str, test_patch: str) -> str:
+    q = shlex.quote
+    restore = "\n".join(
+        f'if g cat-file -e "$B:{f}" 2>/dev/null; then g checkout -q "$B" -- {q(f)} || exit 30; '
+        f"else rm -rf -- {q(f)}; fi"
+        for f in task.test_files
+    )
+    return f"""
+cd {q(task.repo_path)} || {{ echo "no repository at {task.repo_path}" >&2; exit 10; }}
+B={q(task.base_commit)}
+g() {{ git -c core.hooksPath=/dev/null -c core.fsmonitor=false "$@"; }}
+head=$(g rev-parse --verify -q 'HEAD^{{commit}}')
+[ "$head" = "$B" ] || {{ echo "HEAD is $head, not $B" >&2; exit 10; }}
+dirty=$(g status --porcelain --untracked-files=all | head -n 5)
+[ -z "$dirty" ] || {{ echo "worktree not pristine: $dirty" >&2; exit 10; }}
+if [ -s {q(agent_patch)} ]; then g apply --whitespace=nowarn {q(agent_patch)} || exit 20; fi
+{restore}
+if [ -s {q(test_patch)} ]; then g apply --whitespace=nowarn {q(test_patch)} || exit 30; fi
+echo SANDMAN-APPLIED
+"""
+
+
+class Grader:
+    """Grades patches through an injectable ``Acquire`` (the broker, or execd directly)."""
+
+    def __init__(
+        self,
+        acquire: Acquire,
+        config: GradeConfig | None = None,
+        *,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self.acquire = acquire
+        self.config = config or GradeConfig()
+        self.sleep = sleep
+
+    def request_for(self, task: TaskSpec) -> SandboxRequest:
+        c = task.conditions
+        return SandboxRequest(
+            image=task.image_ref,
+            cpu=c.cpus if c.cpus is not None else self.config.cpu,
+            memory_b=c.memory_b if c.memory_b is not None else parse_memory(self.config.memory),
+            env=c.env(),
+            workdir=task.repo_path,
+            base_commit=task.base_commit,
+            image_digest=task.image_digest,
+            role="grading",
+            timeout_s=self.config.acquire_timeout_s,
+        )
+
+    def timeout_for(self, task: TaskSpec) -> float:
+        declared = task.conditions.timeout_s
+        return declared if declared is not None else self.config.default_timeout_s
+
+    def grade(self, task: TaskSpec, patch: bytes | str | ExtractedPatch | None) -> GradeResult:
+        started = time.monotonic()
+        raw = as_patch_bytes(patch)
+        try:
+            kept, dropped = filter_patch(raw, lambda p: is_excluded(task, p))
+            files = patch_paths(kept)
+        except ValueError as exc:
+            return GradeResult(
+                task.task_id, Verdict.UNRESOLVED, f"patch is not a diff: {exc}", duration_s=0.0
+            )
+        base = GradeResult(
+            task.task_id,
+            Verdict.INFRA_ERROR,
+            "",
+            patch_sha256=ExtractedPatch(kept, files).sha256,
+            patch_files=files,
+            dropped_files=dropped,
+        )
+        attempts: list[Attempt] = []
+        result = base
+        for number in range(1, self.config.max_attempts + 1):
+            attempt = Attempt(number, "infra_error")
+            attempts.append(attempt)
+            try:
+                result = self._attempt(task, kept, base, attempt)
+                attempt.outcome = "graded"
+                break
+            except (InfrastructureError, ExecError) as exc:
+                attempt.error_kind, attempt.error = exc.code, str(exc)[:2000]
+                probe = exc.report.to_dict() if isinstance(exc, ProbeContradiction) else None
+                result = replace(
+                    base,
+                    reason=f"infrastructure: {exc.code}: {str(exc)[:500]}",
+                    infra_kind=exc.code,
+                    probe=probe or result.probe,
+                )
+                log.warning("grading %s attempt %d: %s", task.task_id, number, exc)
+                if number < self.config.max_attempts:
+                    self.sleep(self.config.retry_backoff_s * number)
+            except TaskError as exc:
+                attempt.error_kind, attempt.error = exc.code, str(exc)[:2000]
+                result = replace(base, reason=f"task error: {exc}", infra_kind=exc.code)
+                break
+        result.attempts = attempts
+        result.duration_s = time.monotonic() - started
+        return result
+
+    def _attempt(
+        self, task: TaskSpec, patch: bytes, base: GradeResult, attempt: Attempt
+    ) -> GradeResult:
+        t0 = time.monotonic()
+        stack = contextlib.ExitStack()
+        sandbox: GradingSandbox = stack.enter_context(self.acquire(self.request_for(task)))
+        try:
+            attempt.sandbox_id = sandbox.id
+            lease = getattr(sandbox, "lease", None)
+            attempt.reused = bool(getattr(lease, "reused", False))
+            attempt.durations["acquire_s"] = time.monotonic() - t0
+            if attempt.reused and not self.config.allow_reuse:
+                raise GradingSandboxRejected(f"sandbox {sandbox.id} is reused; config forbids it")
+            return self._grade_in(sandbox, task, patch, base, attempt)
+        finally:
+            try:
+                stack.close()
+            except SandmanError as exc:  # the verdict stands; the GC reclaims the sandbox
+                log.warning("release of grading sandbox %s failed: %s", attempt.sandbox_id, exc)
+            attempt.durations["total_s"] = time.monotonic() - t0
+
+    def _grade_in(
+        self,
+        sandbox: GradingSandbox,
+        task: TaskSpec,
+        patch: bytes,
+        base: GradeResult,
+        attempt: Attempt,
+    ) -> GradeResult:
+        cfg = self.config
+        timeout = self.timeout_for(task)
+        t = time.monotonic()
+        report: ProbeReport = run_probe(
+            sandbox,
+            task.conditions,
+            grader_timeout_s=timeout,
+            egress_host=cfg.egress_host,
+            egress_timeout_s=cfg.egress_timeout_s,
+        )
+        attempt.durations["probe_s"] = time.monotonic() - t
+        if not report.ok(refuse_unreadable=cfg.refuse_unreadable):
+            if not report.contradictions:
+                names = ", ".join(c.field for c in report.unreadable)
+                raise GradingSandboxRejected(f"unreadable run conditions refused: {names}")
+            raise ProbeContradiction(report)
+        t = time.monotonic()
+        agent_path, test_path = f"{WORK}/agent.patch", f"{WORK}/test.patch"
+        sandbox.write_file(agent_path, patch)
+        sandbox.write_file(test_path, task.test_patch)
+        applied = sandbox.exec(f"( {apply_script(task, agent_path, test_path)} )", timeout=300)
+        attempt.durations["apply_s"] = time.monotonic() - t
+        result = replace(base, probe=report.to_dict())
+        detail = (applied.stderr or applied.stdout).strip()[-1500:]
+        if applied.exit_code == 10:
+            raise GradingSandboxRejected(f"grading sandbox not at a pristine base: {detail}")
+        if applied.exit_code == 20:
+            return replace(
+                result, verdict=Verdict.UNRESOLVED, reason=f"patch does not apply: {detail}"
+            )
+        if applied.exit_code == 30:
+            raise TaskError(f"the task's test files/test patch do not apply: {detail}")
+        if applied.exit_code != 0 or "SANDMAN-APPLIED" not in applied.stdout:
+            raise GradingSandboxRejected(f"apply step failed (exit {applied.exit_code}): {detail}")
+        t = time.monotonic()
+        run = sandbox.exec(
+            f"cd {shlex.quote(task.repo_path)} && {task.test_command}",
+            timeout=timeout,
+            max_output_bytes=cfg.max_output_bytes,
+        )
+        attempt.durations["tests_s"] = time.monotonic() - t
+        output = run.stdout + "\n" + run.stderr
+        outcomes = testlog.parse_output(output, task.test_runner)
+        f2p = {n: testlog.lookup(outcomes, n) for n in task.fail_to_pass}
+        p2p = {n: testlog.lookup(outcomes, n) for n in task.pass_to_pass}
+        result = replace(
+            result,
+            tests=outcomes,
+            fail_to_pass=f2p,
+            pass_to_pass=p2p,
+            test_exit_code=run.exit_code,
+            test_timed_out=run.timed_out,
+            output_tail=output[-cfg.output_tail_chars :],
+            infra_kind=None,
+        )
+        verdict, reason = _verdict(f2p, p2p, run.timed_out, timeout, outcomes, run.exit_code)
+        return replace(result, verdict=verdict, reason=reason)
+
+
+def _verdict(  # noqa: PLR0917
+    f2p: dict[str, str],
+    p2p: dict[str, str],
+    timed_out: bool,
+    timeout: float,
+    outcomes: dict[str, str],
+    exit_code: int,
+) -> tuple[Verdict, str]:
+    if timed_out:
+        return Verdict.UNRESOLVED, f"tests timed out after {timeout:g}s"
+    if not outcomes:
+        return Verdict.UNRESOLVED, f"no test results in the output (exit {exit_code})"
+    bad_f = sorted(n for n, s in f2p.items() if s not in testlog.PASSING)
+    bad_p = sorted(n for n, s in p2p.items() if s not in testlog.PASSING)
+    if not bad_f and not bad_p:
+        return Verdict.RESOLVED, "all FAIL_TO_PASS and PASS_TO_PASS pass"
+    parts = []
+    if bad_f:
+        parts.append(f"FAIL_TO_PASS not passing: {', '.join(f'{n}={f2p[n]}' for n in bad_f)}")
+    if bad_p:
+        parts.append(f"PASS_TO_PASS broken: {', '.join(f'{n}={p2p[n]}' for n in bad_p)}")
+    return Verdict.UNRESOLVED, "; ".join(parts)

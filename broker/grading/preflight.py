@@ -1,0 +1,161 @@
+"""Preflight: under a job's configuration, the reference patch must pass and the empty
+patch must fail. Tasks that do neither cannot tell a fix from no fix (or depend on run
+conditions) and are listed for exclusion.
+
+This checks what can be checked at one configuration: it does not catch condition
+effects that only an agent's patch triggers (the paper's caveat), so it is re-run per
+job configuration. Infrastructure failures are reported as such and never exclude a
+task: re-run them.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from broker.grading.grade import Grader
+from broker.grading.results import GradeResult, Verdict
+from broker.grading.spec import TaskSpec
+
+EXCLUDED_STATUSES = frozenset(
+    {
+        "reference_fails",
+        "empty_passes",
+        "reference_fails_and_empty_passes",
+        "no_reference",
+        "invalid",
+    }
+)
+
+
+@dataclass
+class PreflightEntry:
+    task_id: str
+    status: str
+    source: str | None = None
+    reference: dict[str, Any] = field(default_factory=dict)
+    empty: dict[str, Any] = field(default_factory=dict)
+    errors: list[str] = field(default_factory=list)
+    duration_s: float = 0.0
+
+    @property
+    def excluded(self) -> bool:
+        return self.status in EXCLUDED_STATUSES
+
+
+def _brief(result: GradeResult) -> dict[str, Any]:
+    return {
+        "verdict": result.verdict.value,
+        "reason": result.reason,
+        "fail_to_pass": result.fail_to_pass,
+        "pass_to_pass": result.pass_to_pass,
+        "attempts": len(result.attempts),
+        "infra_kind": result.infra_kind,
+        "probe_contradictions": (result.probe or {}).get("contradictions", []),
+        "duration_s": round(result.duration_s, 3),
+    }
+
+
+def classify(reference: GradeResult, empty: GradeResult) -> str:
+    if Verdict.INFRA_ERROR in (reference.verdict, empty.verdict):
+        return "infra_error"
+    ref_ok = reference.verdict is Verdict.RESOLVED
+    empty_ok = empty.verdict is Verdict.UNRESOLVED
+    if ref_ok and empty_ok:
+        return "ok"
+    if not ref_ok and not empty_ok:
+        return "reference_fails_and_empty_passes"
+    return "empty_passes" if ref_ok else "reference_fails"
+
+
+def preflight_task(grader: Grader, task: TaskSpec) -> PreflightEntry:
+    started = time.monotonic()
+    if task.reference_patch is None:
+        return PreflightEntry(task.task_id, "no_reference", task.source)
+    reference = grader.grade(task, task.reference_patch)
+    empty = grader.grade(task, b"")
+    return PreflightEntry(
+        task.task_id,
+        classify(reference, empty),
+        task.source,
+        reference=_brief(reference),
+        empty=_brief(empty),
+        duration_s=time.monotonic() - started,
+    )
+
+
+def run_preflight(
+    grader: Grader,
+    tasks: list[TaskSpec],
+    *,
+    parallel: int = 4,
+    on_done: Callable[[PreflightEntry], None] | None = None,
+) -> list[PreflightEntry]:
+    """Every task in parallel (each grading acquires its own sandbox through the broker)."""
+    entries: list[PreflightEntry] = []
+    with ThreadPoolExecutor(max_workers=max(1, parallel), thread_name_prefix="preflight") as pool:
+        futures = [pool.submit(preflight_task, grader, task) for task in tasks]
+        for future in as_completed(futures):
+            entry = future.result()
+            entries.append(entry)
+            if on_done is not None:
+                on_done(entry)
+    order = {t.task_id: i for i, t in enumerate(tasks)}
+    return sorted(entries, key=lambda e: order.get(e.task_id, len(order)))
+
+
+def write_reports(
+    entries: list[PreflightEntry], out_dir: Path, *, meta: dict[str, Any], exclude_file: Path
+) -> dict[str, Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    counts: dict[str, int] = {}
+    for e in entries:
+        counts[e.status] = counts.get(e.status, 0) + 1
+    doc = {
+        "generated_at": dt.datetime.now(dt.UTC).isoformat(),
+        "meta": meta,
+        "counts": counts,
+        "excluded": [e.task_id for e in entries if e.excluded],
+        "tasks": [{**asdict(e), "excluded": e.excluded} for e in entries],
+    }
+    json_path, md_path = out_dir / "preflight.json", out_dir / "preflight.md"
+    json_path.write_text(json.dumps(doc, indent=2, default=str) + "\n")
+    md_path.write_text(markdown(entries, meta, counts))
+    exclude_file.parent.mkdir(parents=True, exist_ok=True)
+    exclude_file.write_text("".join(f"{e.task_id}\n" for e in entries if e.excluded))
+    return {"json": json_path, "markdown": md_path, "exclude": exclude_file}
+
+
+def markdown(entries: list[PreflightEntry], meta: dict[str, Any], counts: dict[str, int]) -> str:
+    lines = ["# Preflight report", ""]
+    lines += [f"- {k}: `{v}`" for k, v in meta.items()]
+    lines += ["- counts: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())), ""]
+    lines += [
+        "| task | status | excluded | reference | empty | seconds |",
+        "|---|---|---|---|---|---|",
+    ]
+    for e in entries:
+        ref = e.reference.get("verdict", "-")
+        emp = e.empty.get("verdict", "-")
+        lines.append(
+            f"| `{e.task_id}` | {e.status} | {'yes' if e.excluded else 'no'} | {ref} | {emp} "
+            f"| {e.duration_s:.1f} |"
+        )
+    problems = [e for e in entries if e.status != "ok"]
+    if problems:
+        lines += ["", "## Details", ""]
+    for e in problems:
+        lines.append(f"### `{e.task_id}`: {e.status}")
+        for err in e.errors:
+            lines.append(f"- error: {err}")
+        for name, part in (("reference", e.reference), ("empty", e.empty)):
+            if part:
+                lines.append(f"- {name}: {part.get('verdict')}: {part.get('reason')}")
+        lines.append("")
+    return "\n".join(lines) + "\n"
