@@ -167,9 +167,10 @@ def audit_command(ctx: click.Context, as_json: bool) -> None:
 
 
 def _register_subcommands() -> None:
-    from broker import cli_run
+    from broker import cli_grading, cli_run
 
     cli_run.register(main)
+    cli_grading.register(main)
 
 
 _register_subcommands()
