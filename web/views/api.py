@@ -1,0 +1,130 @@
+"""The JSON API behind the pages; its contract is ``web.openapi`` (served at /api/openapi.json).
+
+Same auth as the pages: a session cookie (CSRF token required on POST) or
+``Authorization: Bearer <token>``. Errors are ``{"error": {"code", "message"}}``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flask import Blueprint, jsonify, request
+
+from web import leakops, listing, serialize, stats
+from web.openapi import spec
+from web.views import actor, audit, jobs, sandboxes, services
+from web.views.leaks import query_leaks
+
+bp = Blueprint("api", __name__, url_prefix="/api")
+
+
+def error(status: int, code: str, message: str) -> Any:
+    return jsonify({"error": {"code": code, "message": message}}), status
+
+
+@bp.route("/openapi.json")
+def openapi() -> Any:
+    return jsonify(spec())
+
+
+@bp.route("/overview")
+def overview() -> Any:
+    svc = services()
+    with svc.sessions() as session:
+        return jsonify(stats.overview(session, svc.redis()).to_dict())
+
+
+@bp.route("/sandboxes")
+def sandbox_list() -> Any:
+    try:
+        query = listing.ListQuery.from_args(request.args)
+        with services().sessions() as session:
+            page = listing.fetch(session, query)
+    except listing.BadQuery as exc:
+        return error(400, "bad_request", str(exc))
+    return jsonify(
+        {
+            "items": [serialize.sandbox(r) for r in page.rows],
+            "total": page.total,
+            "total_capped": page.total_capped,
+            "next_cursor": page.next_cursor,
+            "prev_cursor": page.prev_cursor,
+        }
+    )
+
+
+@bp.route("/sandboxes/<sandbox_id>")
+def sandbox_detail(sandbox_id: str) -> Any:
+    from broker.ledger.models import Sandbox
+
+    with services().sessions() as session:
+        if session.get(Sandbox, sandbox_id) is None:
+            return error(404, "not_found", f"no sandbox {sandbox_id}")
+    row, events, leaks, more = sandboxes.load(sandbox_id)
+    pod, status = sandboxes.read_pod(row)
+    return jsonify(
+        {
+            "sandbox": serialize.sandbox(row),
+            "pod": serialize.pod(pod),
+            "pod_status": status,
+            "events": [serialize.event(e) for e in events],
+            "events_truncated": more,
+            "leaks": [serialize.leak(x) for x in leaks],
+        }
+    )
+
+
+@bp.route("/leaks")
+def leak_list() -> Any:
+    status = request.args.get("status", "open")
+    if status not in ("open", "resolved", "all"):
+        return error(400, "bad_request", "status must be open, resolved or all")
+    try:
+        before = int(request.args["before"]) if request.args.get("before") else None
+    except ValueError:
+        return error(400, "bad_request", "before must be an integer")
+    with services().sessions() as session:
+        rows = query_leaks(session, status, request.args.get("kind", "")[:32], before)
+    more = len(rows) > 100
+    rows = rows[:100]
+    return jsonify(
+        {
+            "items": [serialize.leak(r) for r in rows],
+            "next_before": rows[-1].id if more and rows else None,
+        }
+    )
+
+
+@bp.route("/leaks/<int:leak_id>/<action>", methods=["POST"])
+def leak_action(leak_id: int, action: str) -> Any:
+    if action not in leakops.ACTIONS:
+        return error(404, "not_found", f"unknown action {action}")
+    body = request.get_json(silent=True)
+    if not isinstance(body, dict):
+        body = {}
+    nonce = body.get("confirm_nonce", "")
+    if not isinstance(nonce, str):
+        return error(400, "bad_request", "confirm_nonce must be a string")
+    try:
+        message = leakops.perform(services(), leak_id, action, actor=actor(), confirm_nonce=nonce)
+    except LookupError:
+        return error(404, "not_found", f"no leak {leak_id}")
+    except (leakops.ActionRefused, RuntimeError) as exc:
+        return error(409, "refused", str(exc))
+    return jsonify({"ok": True, "message": message})
+
+
+@bp.route("/jobs")
+def job_list() -> Any:
+    return jsonify({"pacing": jobs.global_pacing(), "jobs": [r.to_dict() for r in jobs.job_rows()]})
+
+
+@bp.route("/events")
+def event_list() -> Any:
+    try:
+        search = audit.Search.from_args(request.args)
+    except audit.BadSearch as exc:
+        return error(400, "bad_request", str(exc))
+    with services().sessions() as session:
+        events, next_before = audit.run(session, search)
+    return jsonify({"items": [serialize.event(e) for e in events], "next_before": next_before})

@@ -1,0 +1,154 @@
+"""Leaks: what broke the ownership invariant, and the operator's delete / adopt / dismiss."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from typing import Any
+
+from flask import Blueprint, abort, flash, redirect, render_template, request, url_for
+from sqlalchemy import func, select
+
+from broker.errors import SandmanError
+from broker.ledger import store
+from broker.ledger.models import Leak, utcnow
+from web import leakops, stats
+from web.views import actor, services, wants_fragment
+
+bp = Blueprint("leaks", __name__, url_prefix="/leaks")
+PAGE = 100
+
+
+def query_leaks(session: Any, status: str, kind: str, before: int | None) -> list[Leak]:
+    stmt = select(Leak)
+    if status == "open":
+        stmt = stmt.where(Leak.resolved_at.is_(None))
+    elif status == "resolved":
+        stmt = stmt.where(Leak.resolved_at.is_not(None))
+    if kind:
+        stmt = stmt.where(Leak.kind == kind)
+    if before:
+        stmt = stmt.where(Leak.id < before)
+    return list(session.scalars(stmt.order_by(Leak.id.desc()).limit(PAGE + 1)))
+
+
+@bp.route("")
+def index() -> Any:
+    status = request.args.get("status", "open")
+    if status not in ("open", "resolved", "all"):
+        abort(400, "status must be open, resolved or all")
+    kind = request.args.get("kind", "")[:32]
+    before = request.args.get("before", type=int)
+    svc = services()
+    with svc.sessions() as session:
+        leaks = query_leaks(session, status, kind, before)
+        kinds = dict(
+            session.execute(select(Leak.kind, func.count()).group_by(Leak.kind)).tuples().all()
+        )
+        open_count = stats.leaks_open(session)
+    more = len(leaks) > PAGE
+    leaks = leaks[:PAGE]
+    context = {
+        "leaks": leaks,
+        "status": status,
+        "kind": kind,
+        "kinds": sorted(kinds),
+        "open_count": open_count,
+        "next_before": leaks[-1].id if more and leaks else None,
+        "gc_last": stats.gc_last(svc.redis()),
+        "live_url": url_for("leaks.index", **request.args.to_dict(), fragment=1),
+    }
+    if wants_fragment():
+        return render_template("partials/leaks_table.html", **context)
+    return render_template("leaks.html", **context)
+
+
+@bp.route("/<int:leak_id>")
+def detail(leak_id: int) -> Any:
+    try:
+        view = leakops.load(services(), leak_id)
+    except LookupError:
+        abort(404, f"no leak {leak_id}")
+    action = request.args.get("action", "")
+    return render_template("leak.html", v=view, action=action, nonce=leakops._expected_nonce(view))
+
+
+@bp.route("/<int:leak_id>/<action>", methods=["POST"])
+def act(leak_id: int, action: str) -> Any:
+    if action not in leakops.ACTIONS:
+        abort(404)
+    if action != "dismiss" and request.form.get("confirmed") != "yes":
+        flash("Tick the confirmation box first.", "error")
+        return redirect(url_for("leaks.detail", leak_id=leak_id, action=action))
+    try:
+        message = leakops.perform(
+            services(),
+            leak_id,
+            action,
+            actor=actor(),
+            confirm_nonce=request.form.get("confirm_nonce", ""),
+        )
+    except LookupError:
+        abort(404, f"no leak {leak_id}")
+    except (leakops.ActionRefused, RuntimeError) as exc:
+        flash(f"{action.capitalize()} refused: {exc}", "error")
+        return redirect(url_for("leaks.detail", leak_id=leak_id))
+    flash(message, "ok")
+    return redirect(url_for("leaks.index"))
+
+
+def run_gc_pass(who: str, dry_run: bool) -> dict[str, Any]:
+    """One GC pass as an operator; its report is kept in Redis for the page and /metrics."""
+    from broker.gc import run_gc
+
+    svc = services()
+    report = run_gc(svc.provider(who), dry_run=dry_run)
+    summary = {
+        "at": utcnow().isoformat(),
+        "by": who,
+        "dry_run": dry_run,
+        "duration_s": round(report.duration_s, 4),
+        "pods_seen": report.pods_seen,
+        "live_rows": report.live_rows,
+        "actions": len(report.actions),
+        "unowned_pods": len(report.unowned_pods),
+        "foreign_pods": len(report.foreign_pods),
+        "errors": len(report.errors),
+        "skipped_locked": report.skipped_locked,
+    }
+    with svc.sessions.begin() as session:
+        store.append_event(
+            session,
+            None,
+            kind="admin",
+            action="gc-pass",
+            outcome="dry-run" if dry_run else "ok",
+            actor=who,
+            detail=summary,
+        )
+    redis = svc.redis()
+    if redis is not None and not report.skipped_locked:
+        # The pass itself succeeded; losing only its summary is fine.
+        with contextlib.suppress(Exception):
+            redis.set(stats.GC_LAST_KEY, json.dumps(summary))
+    return summary
+
+
+@bp.route("/gc", methods=["POST"])
+def gc() -> Any:
+    dry_run = request.form.get("dry_run") == "yes"
+    try:
+        s = run_gc_pass(actor(), dry_run)
+    except (SandmanError, RuntimeError, OSError) as exc:
+        flash(f"GC pass failed: {type(exc).__name__}: {exc}", "error")
+    else:
+        if s["skipped_locked"]:
+            flash("Another GC pass is running; this one was skipped.", "error")
+        else:
+            flash(
+                f"GC pass{' (dry run)' if dry_run else ''}: {s['pods_seen']} pods, "
+                f"{s['live_rows']} live rows, {s['actions']} actions, {s['unowned_pods']} unowned, "
+                f"{s['errors']} errors in {s['duration_s']:.2f}s",
+                "ok",
+            )
+    return redirect(url_for("leaks.index"))

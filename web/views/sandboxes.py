@@ -1,0 +1,147 @@
+"""Sandboxes: the keyset-paginated list, one sandbox's detail, and an audited release."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flask import Blueprint, abort, flash, redirect, render_template, request, url_for
+from sqlalchemy import select
+
+from broker.errors import SandmanError
+from broker.ledger.models import Event, Job, Leak, Sandbox
+from broker.ledger.states import State
+from web import listing
+from web.views import actor, services, wants_fragment
+
+bp = Blueprint("sandboxes", __name__, url_prefix="/sandboxes")
+COLUMNS = [
+    ("id", "Sandbox", True),
+    ("job", "Job", True),
+    ("state", "State", True),
+    (None, "Role", False),
+    ("pod_name", "Pod", True),
+    (None, "Node / address", False),
+    ("requested_at", "Requested", True),
+    (None, "Create→Ready", False),
+    (None, "Acquire", False),
+    (None, "Lease", False),
+]
+EVENTS_SHOWN = 500
+
+
+def job_names(session: Any) -> list[str]:
+    return list(session.scalars(select(Job.name).order_by(Job.name)))
+
+
+@bp.route("")
+def index() -> Any:
+    try:
+        query = listing.ListQuery.from_args(request.args)
+    except listing.BadQuery as exc:
+        abort(400, str(exc))
+    svc = services()
+    with svc.sessions() as session:
+        try:
+            page = listing.fetch(session, query)
+        except listing.BadQuery as exc:
+            abort(400, str(exc))
+        jobs = job_names(session)
+    context = {
+        "page": page,
+        "q": query,
+        "jobs": jobs,
+        "columns": COLUMNS,
+        "states": listing.STATE_FILTERS,
+        "live_url": url_for("sandboxes.index", **request.args.to_dict(), fragment=1),
+    }
+    if wants_fragment():
+        return render_template("partials/sandboxes_table.html", **context)
+    return render_template("sandboxes.html", **context)
+
+
+def read_pod(row: Sandbox) -> tuple[Any, str]:
+    """Live read-back of the pod, or why it is unavailable."""
+    backend = services().backend()
+    if backend is None:
+        return None, f"unavailable: {services().backend_error or 'no backend'}"
+    try:
+        pod = backend.get(row.namespace, row.pod_name)
+    except (SandmanError, OSError) as exc:
+        return None, f"unavailable: {type(exc).__name__}"
+    if pod is None:
+        return None, "absent: no pod with this name exists"
+    if pod.nonce != row.nonce:
+        return pod, "present, but its nonce differs from the ledger row: NOT this row's pod"
+    return pod, "present"
+
+
+def load(sandbox_id: str) -> tuple[Sandbox, list[Event], list[Leak], bool]:
+    with services().sessions() as session:
+        row = session.get(Sandbox, sandbox_id)
+        if row is None:
+            abort(404, f"no sandbox {sandbox_id}")
+        events = list(
+            session.scalars(
+                select(Event)
+                .where(Event.sandbox_id == sandbox_id)
+                .order_by(Event.at.desc(), Event.id.desc())
+                .limit(EVENTS_SHOWN + 1)
+            )
+        )
+        leaks = list(
+            session.scalars(
+                select(Leak).where(Leak.sandbox_id == sandbox_id).order_by(Leak.id.desc())
+            )
+        )
+        session.expunge_all()
+    more = len(events) > EVENTS_SHOWN
+    return row, events[:EVENTS_SHOWN], leaks, more
+
+
+@bp.route("/<sandbox_id>")
+def detail(sandbox_id: str) -> Any:
+    row, events, leaks, more = load(sandbox_id)
+    pod, pod_status = read_pod(row)
+    template = "partials/sandbox_live.html" if wants_fragment() else "sandbox.html"
+    return render_template(
+        template,
+        row=row,
+        events=events,
+        leaks=leaks,
+        more_events=more,
+        pod=pod,
+        pod_status=pod_status,
+        releasable=row.state != State.DELETED,
+    )
+
+
+@bp.route("/<sandbox_id>/release", methods=["GET", "POST"])
+def release(sandbox_id: str) -> Any:
+    row, _, _, _ = load(sandbox_id)
+    if request.method == "GET":
+        pod, pod_status = read_pod(row)
+        return render_template("confirm_release.html", row=row, pod=pod, pod_status=pod_status)
+    if request.form.get("confirm_nonce") != row.nonce:
+        flash("The sandbox changed since you confirmed; review it again.", "error")
+        return redirect(url_for("sandboxes.release", sandbox_id=sandbox_id))
+    who = actor()
+    try:
+        provider = services().provider(who)
+        with services().sessions.begin() as session:
+            from broker.ledger import store
+
+            store.append_event(
+                session,
+                row,
+                kind="admin",
+                action="release",
+                outcome="requested",
+                actor=who,
+                detail={"from_state": str(row.state)},
+            )
+        provider.release(sandbox_id, actor=who, reason="admin-release", creator_gone=True)
+    except (SandmanError, RuntimeError, OSError) as exc:
+        flash(f"Release failed: {type(exc).__name__}: {exc}", "error")
+    else:
+        flash(f"Release of {row.pod_name} done (see its history).", "ok")
+    return redirect(url_for("sandboxes.detail", sandbox_id=sandbox_id))
