@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 from flask import Blueprint, abort, flash, redirect, render_template, request, url_for
-from sqlalchemy import func, select
+from sqlalchemy import select
 
 from broker.errors import SandmanError
 from broker.ledger import store
@@ -42,9 +42,7 @@ def index() -> Any:
     svc = services()
     with svc.sessions() as session:
         leaks = query_leaks(session, status, kind, before)
-        kinds = dict(
-            session.execute(select(Leak.kind, func.count()).group_by(Leak.kind)).tuples().all()
-        )
+        kinds = {k for (k,) in session.execute(select(Leak.kind).group_by(Leak.kind))}
         open_count = stats.leaks_open(session)
     more = len(leaks) > PAGE
     leaks = leaks[:PAGE]
