@@ -114,10 +114,19 @@ def ensure_std_fds() -> None:
 
 
 def runtime_dir() -> str:
-    base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
-    if not os.access(base, os.W_OK):
-        base = tempfile.gettempdir()
-    return tempfile.mkdtemp(prefix="execd-", dir=base)
+    """A private 0700 dir for the command file, never next to execd itself.
+
+    tmpfs is preferred: the command file is rewritten before every call, and
+    on a disk-backed overlay /tmp that costs milliseconds, on tmpfs microseconds.
+    """
+    shm = "/dev/shm"  # noqa: S108 (a private mkdtemp below it, mode 0700)
+    for base in (os.environ.get("XDG_RUNTIME_DIR"), shm, tempfile.gettempdir()):
+        if base and os.path.isdir(base) and os.access(base, os.W_OK | os.X_OK):
+            try:
+                return tempfile.mkdtemp(prefix="execd-", dir=base)
+            except OSError:
+                continue
+    raise SystemExit("execd: no writable directory for runtime files")
 
 
 def main(argv: Optional[List[str]] = None) -> int:

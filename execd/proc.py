@@ -69,9 +69,12 @@ def descendants(table: Dict[int, ProcInfo], roots: Iterable[int]) -> Set[int]:
 
 def direct_children(pid: int) -> Set[int]:
     """Cheap (one small read) list of a single-threaded process's children."""
-    try:
-        with open("/proc/%d/task/%d/children" % (pid, pid), "rb") as f:
-            return {int(x) for x in f.read().split()}
+    try:  # os-level calls: this runs before every command, keep it cheap
+        fd = os.open("/proc/%d/task/%d/children" % (pid, pid), os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            return {int(x) for x in os.read(fd, 65536).split()}
+        finally:
+            os.close(fd)
     except (OSError, ValueError):
         return set()
 

@@ -16,7 +16,7 @@ import select
 import signal
 import threading
 import time
-from typing import Dict, List, Optional, Set
+from typing import Dict, Optional, Set
 
 from . import bashproto, proc
 from .output import BoundedCapture
@@ -54,7 +54,7 @@ class Session:
         self.dead = False
         self.exit_status: Optional[int] = None
         self.started = time.time()
-        self._mu = threading.Lock()
+        self._mu = threading.RLock()
         self._call: Optional[Call] = None
         proto_r, self._proto_w = os.pipe()
         self._out_r, out_w = os.pipe()
@@ -88,9 +88,21 @@ class Session:
         finally:
             for fd in (proto_r, out_w, err_w, ctl_w):
                 os.close(fd)
+        self._script_fd: Optional[int] = None
+        self._script_len = -1
+        self._done_r, self._done_w = os.pipe()
+        os.set_blocking(self._done_r, False)
+        self._resume = threading.Event()
+        self._paused = False
+        self._ctl = b""
+        self._eof: Set[int] = set()
+        self._poller = self._new_poller(self._done_r)
         self._ready = Call(0, 4096)
         self._call = self._ready
-        threading.Thread(target=self._pump, name="pump-%d" % self.pid, daemon=True).start()
+        self._pump_thread = threading.Thread(
+            target=self._pump, name="pump-%d" % self.pid, daemon=True
+        )
+        self._pump_thread.start()
         self._send(bashproto.init_script(workdir, script))
         if not self._ready.done.wait(10) or self.dead:
             self.kill()
@@ -109,27 +121,43 @@ class Session:
             before = proc.direct_children(self.pid)
             self._write_script(command)
             self._send(bashproto.call_line(call_id))
-            if not call.done.wait(timeout):
-                call.timed_out = True
-                self._abort(call, before)
+            self._pause_pump()
+            try:
+                if not self._read_until(call, time.monotonic() + timeout):
+                    call.timed_out = True
+                    self._abort(call, before)
+            finally:
+                self._resume_pump()
         finally:
             with self._mu:
                 self._call = None
         return call
 
     def _write_script(self, command: str) -> None:
+        """Overwrite the command file in place through a kept-open descriptor."""
         data = command.encode("utf-8", "surrogateescape")
-        try:
-            fd = os.open(self.script, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        except FileNotFoundError:  # a command removed our runtime dir (rm -rf /tmp/*)
-            os.makedirs(os.path.dirname(self.script), mode=0o700, exist_ok=True)
-            fd = os.open(self.script, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-        finally:
-            os.close(fd)
+        for attempt in (0, 1):
+            try:
+                if self._script_fd is None:
+                    self._script_fd = os.open(
+                        self.script, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600
+                    )
+                    self._script_len = -1
+                os.pwrite(self._script_fd, data, 0)
+                if len(data) != self._script_len:
+                    os.ftruncate(self._script_fd, len(data))
+                    self._script_len = len(data)
+                if os.fstat(self._script_fd).st_nlink:
+                    return
+            except FileNotFoundError:
+                pass
+            # A command removed our runtime dir (rm -rf /tmp/*): make it again.
+            if self._script_fd is not None:
+                os.close(self._script_fd)
+                self._script_fd = None
+            if attempt == 0:
+                os.makedirs(os.path.dirname(self.script), mode=0o700, exist_ok=True)
+        raise SessionError("cannot write the command file %s" % self.script)
 
     def _send(self, data: bytes) -> None:
         try:
@@ -148,13 +176,13 @@ class Session:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, signal.SIGUSR1)
             proc.kill_tree(lambda table: self._call_procs(table, before, marker))
-            if call.done.wait(pause):
+            if self._read_until(call, time.monotonic() + pause):
                 return
             pause = min(pause * 2, 0.2)
             if time.monotonic() > deadline:
                 log.warning("call %d did not unwind; killing the session", call.id)
                 self.kill()
-                call.done.wait(5)
+                self._read_until(call, time.monotonic() + 5)
                 return
 
     def _call_procs(self, table, before: Set[int], marker: bytes) -> Set[int]:
@@ -175,51 +203,113 @@ class Session:
         return proc.kill_tree(lambda t: proc.descendants(t, [self.pid]) | {self.pid} & set(t))
 
     def close(self) -> None:
-        """Release the write ends once bash is dead and the pump has finished."""
-        for fd in (self._proto_w, self._wake_w):
+        """Release the pipes once bash is dead (the pump has stopped reading)."""
+        self._resume.set()
+        self._pump_thread.join(5)
+        if self._pump_thread.is_alive():  # never close fds a live reader could see reused
+            log.error("pump of session %d did not stop; leaking its pipes", self.pid)
+            return
+        fds = [
+            self._proto_w,
+            self._wake_w,
+            self._out_r,
+            self._err_r,
+            self._ctl_r,
+            self._wake_r,
+            self._done_r,
+            self._done_w,
+        ]
+        if self._script_fd is not None:
+            fds.append(self._script_fd)
+        for fd in fds:
             with contextlib.suppress(OSError):
                 os.close(fd)
 
-    # ---- the pump ------------------------------------------------------------
+    # ---- reading the pipes ---------------------------------------------------
+    #
+    # The pump thread reads the pipes between calls, so background jobs never
+    # block on a full pipe. During a call the request thread reads them itself
+    # (a thread hand-off would add scheduler latency to every call); the pump
+    # is asked to pause but is never waited for. Each read and the routing of
+    # its bytes happen under ``_mu``, so two readers cannot reorder output, and
+    # whoever finishes a call also writes to the done pipe, which only the
+    # request thread polls, so it never sleeps through a completion.
 
     def _on_exit(self, code: int) -> None:  # reaper thread
         self.exit_status = code
         self.dead = True
-        with contextlib.suppress(OSError):
-            os.write(self._wake_w, b"x")
+        for fd in (self._wake_w, self._done_w):
+            with contextlib.suppress(OSError):
+                os.write(fd, b"x")
 
     def _pump(self) -> None:
+        poller = self._new_poller(self._wake_r)
+        while not self.dead:
+            if self._paused:
+                self._resume.wait()
+                self._resume.clear()
+                continue
+            self._handle(poller, poller.poll())
+
+    def _new_poller(self, extra: int):
         poller = select.poll()
-        fds: List[int] = [self._out_r, self._err_r, self._ctl_r, self._wake_r]
-        for fd in fds:
+        for fd in (self._out_r, self._err_r, self._ctl_r, extra):
             poller.register(fd, select.POLLIN)
-        ctl = b""
-        while True:
-            events = dict(poller.poll())
-            for fd in (self._out_r, self._err_r):
-                if fd in events and not self._drain(fd):
+        return poller
+
+    def _pause_pump(self) -> None:
+        self._resume.clear()
+        self._paused = True
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"p")
+
+    def _resume_pump(self) -> None:
+        self._paused = False
+        self._resume.set()
+
+    def _read_until(self, call: Call, deadline: float) -> bool:
+        """Read the pipes in this thread until the call is done or the deadline."""
+        while not call.done.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            self._handle(self._poller, self._poller.poll(min(left, 3600.0) * 1000))
+        return True
+
+    def _handle(self, poller, events) -> None:
+        with self._mu:
+            for fd in self._eof:
+                with contextlib.suppress(KeyError):
                     poller.unregister(fd)
-            if self._ctl_r in events:
+            ready = {fd for fd, _ in events}
+            for fd in (self._out_r, self._err_r):
+                if fd in ready:
+                    self._drain(fd)
+            if self._ctl_r in ready:
                 data = self._read(self._ctl_r)
-                if data is None or data == b"":
-                    poller.unregister(self._ctl_r)
-                else:
-                    ctl += data
-                    while b"\n" in ctl:
-                        line, ctl = ctl.split(b"\n", 1)
+                if data == b"":
+                    self._eof.add(self._ctl_r)
+                elif data:
+                    self._ctl += data
+                    while b"\n" in self._ctl:
+                        line, self._ctl = self._ctl.split(b"\n", 1)
                         self._complete(line)
-            if self._wake_r in events and self.dead:
+            for fd in (self._wake_r, self._done_r):
+                if fd in ready:
+                    with contextlib.suppress(OSError):
+                        os.read(fd, 4096)
+            call = self._call
+            if self.dead and call is not None and not call.done.is_set():
                 self._drain(self._out_r)
                 self._drain(self._err_r)
-                with self._mu:
-                    call = self._call
-                    if call is not None and not call.done.is_set():
-                        call.exit_code = self.exit_status
-                        call.session_died = True
-                        call.done.set()
-                for fd in fds:  # write ends stay open until close(): no fd reuse races
-                    os.close(fd)
-                return
+                call.exit_code = self.exit_status
+                call.session_died = True
+                self._finish(call)
+
+    def _finish(self, call: Call) -> None:
+        call.done.set()
+        with contextlib.suppress(OSError):
+            os.write(self._done_w, b"d")
 
     def _complete(self, line: bytes) -> None:
         parts = line.split()
@@ -227,14 +317,13 @@ class Session:
             return
         self._drain(self._out_r)
         self._drain(self._err_r)
-        with self._mu:
-            call = self._call
-            if call is not None and str(call.id).encode() == parts[0]:
-                try:
-                    call.exit_code = int(parts[1])
-                except ValueError:
-                    call.exit_code = None
-                call.done.set()
+        call = self._call
+        if call is not None and str(call.id).encode() == parts[0]:
+            try:
+                call.exit_code = int(parts[1])
+            except ValueError:
+                call.exit_code = None
+            self._finish(call)
 
     def _read(self, fd: int) -> Optional[bytes]:
         try:
@@ -244,15 +333,15 @@ class Session:
         except OSError:
             return b""
 
-    def _drain(self, fd: int) -> bool:
-        """Read what is there now; False at end of file."""
+    def _drain(self, fd: int) -> None:
+        """Read what is there now into the current call (caller holds ``_mu``)."""
         while True:
             data = self._read(fd)
             if data is None:
-                return True
+                return
             if not data:
-                return False
-            with self._mu:
-                call = self._call
-                if call is not None and not call.done.is_set():
-                    (call.out if fd == self._out_r else call.err).feed(data)
+                self._eof.add(fd)
+                return
+            call = self._call
+            if call is not None and not call.done.is_set():
+                (call.out if fd == self._out_r else call.err).feed(data)
