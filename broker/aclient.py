@@ -141,7 +141,7 @@ class AsyncSandboxClient:
     ) -> None:
         self.owner = owner or f"{socket.gethostname()}:{os.getpid()}"
         self.heartbeat_s = heartbeat_s
-        self.redis = aredis.Redis.from_url(redis_url)
+        self.redis = aredis.Redis.from_url(redis_url, socket_timeout=30, socket_connect_timeout=5)
         self.http = httpx.AsyncClient(
             limits=httpx.Limits(max_connections=512, max_keepalive_connections=512)
         )

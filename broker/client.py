@@ -23,6 +23,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import os
+import queue
 import socket
 import threading
 import time
@@ -251,7 +252,14 @@ class SandboxClient:
         self.redis_url = redis_url
         self.owner = owner or f"{socket.gethostname()}:{os.getpid()}"
         self.heartbeat_s = heartbeat_s
-        self.redis = redis_lib.Redis.from_url(redis_url, max_connections=max_connections)
+        self.redis = redis_lib.Redis.from_url(
+            # Blocking pops wait up to 5 s: the socket timeout must be longer (redis-py 8
+            # defaults it to 5 s).
+            redis_url,
+            max_connections=max_connections,
+            socket_timeout=30,
+            socket_connect_timeout=5,
+        )
         self.warm = WarmStore(self.redis)
         self.http = httpx.Client(
             limits=httpx.Limits(
@@ -267,6 +275,15 @@ class SandboxClient:
             task_ignore_result=True,
             broker_connection_retry_on_startup=True,
         )
+        # Ledger hand-outs of warm hits are sent off the trainer's critical path.
+        self._later: queue.SimpleQueue[tuple[str, list[Any], str] | None] = queue.SimpleQueue()
+        self._sender = threading.Thread(target=self._send_later, name="sandman-send", daemon=True)
+        self._sender.start()
+
+    def _send_later(self) -> None:
+        while (item := self._later.get()) is not None:
+            with contextlib.suppress(ServiceUnavailable):
+                self.send(*item)
 
     @classmethod
     def from_settings(cls, settings: Any, **kwargs: Any) -> SandboxClient:
@@ -278,6 +295,8 @@ class SandboxClient:
         return cls(url, **kwargs)
 
     def close(self) -> None:
+        self._later.put(None)
+        self._sender.join(timeout=10)
         self.http.close()
         self.redis.close()
 
@@ -377,16 +396,18 @@ class SandboxClient:
                     return None
                 sandbox = Sandbox(self, lease, acquire_s=time.time() - request["enqueued_at"])
                 if sandbox.healthy(timeout=1.0):
-                    self.send(
-                        "sandman.claimed",
-                        [
-                            lease.sandbox_id,
-                            request["request_id"],
-                            self.owner,
-                            sandbox.acquire_s,
-                            request["enqueued_at"],
-                        ],
-                        QUEUE_RELEASE,
+                    self._later.put(
+                        (
+                            "sandman.claimed",
+                            [
+                                lease.sandbox_id,
+                                request["request_id"],
+                                self.owner,
+                                sandbox.acquire_s,
+                                request["enqueued_at"],
+                            ],
+                            QUEUE_RELEASE,
+                        )
                     )
                     return sandbox
                 self.send("sandman.release", [lease.sandbox_id, "warm-unhealthy"], QUEUE_RELEASE)

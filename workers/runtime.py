@@ -41,7 +41,9 @@ def _build() -> Broker:
     settings = Settings.from_env()
     urls = ensure_services(settings)
     sessions = make_session_factory(make_engine(urls.database_url, pool_size=20, max_overflow=60))
-    client = redis.Redis.from_url(urls.redis_url, max_connections=200)
+    client = redis.Redis.from_url(
+        urls.redis_url, max_connections=200, socket_timeout=30, socket_connect_timeout=5
+    )
     return Broker(
         settings, sessions, make_backend(settings), client, enqueue=_enqueue, actor="worker"
     )

@@ -229,8 +229,9 @@ def test_burst_is_absorbed_by_the_queue(
         )
     for i in range(len(stamps)):
         for j in range(i, len(stamps)):
-            # creating_at is stamped just after the token; allow 50 ms of DB latency.
-            assert j - i + 1 <= rate * (stamps[j] - stamps[i] + 0.05) + burst
+            # creating_at is stamped after the token, behind a commit whose latency varies
+            # under the burst: one create of slack (the exact bound is tested on the pacer).
+            assert j - i + 1 <= rate * (stamps[j] - stamps[i]) + burst + 1
     for sb in got:
         sb.release()
 
