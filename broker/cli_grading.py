@@ -98,6 +98,8 @@ def register(group: click.Group) -> None:
     @click.option("--exclude-file", default=None, help="Default: OUT/excluded.txt")
     @click.option("--attempts", default=3, show_default=True, help="Per grading (infra retries).")
     @click.option("--egress-host", default="example.com", show_default=True)
+    @click.option("--cpu", default=1.0, show_default=True, help="When a task declares none.")
+    @click.option("--memory", default="2Gi", show_default=True, help="When a task declares none.")
     @click.pass_context
     def preflight(  # noqa: PLR0917 (click passes options positionally)
         ctx: click.Context,
@@ -108,6 +110,8 @@ def register(group: click.Group) -> None:
         exclude_file: str | None,
         attempts: int,
         egress_host: str,
+        cpu: float,
+        memory: str,
     ) -> None:
         """Reference patch must pass, empty patch must fail, for every task in TASKS."""
         from broker.grading.grade import GradeConfig
@@ -121,7 +125,7 @@ def register(group: click.Group) -> None:
             except TaskSpecError as exc:
                 errors = [str(i) for i in exc.issues]
                 invalid.append(PreflightEntry(path.stem, "invalid", str(path), errors=errors))
-        config = GradeConfig(max_attempts=attempts, egress_host=egress_host)
+        config = GradeConfig(max_attempts=attempts, egress_host=egress_host, cpu=cpu, memory=memory)
         grader = _grader(ctx, job, config)
         started = time.monotonic()
         with click.progressbar(length=len(specs), label="preflight", show_pos=True) as bar:
