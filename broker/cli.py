@@ -167,10 +167,11 @@ def audit_command(ctx: click.Context, as_json: bool) -> None:
 
 
 def _register_subcommands() -> None:
-    from broker import cli_grading, cli_run
+    from broker import cli_grading, cli_run, cli_web
 
     cli_run.register(main)
     cli_grading.register(main)
+    cli_web.register(main)
 
 
 _register_subcommands()

@@ -54,6 +54,9 @@ def test_sandboxes_list_filters_sorts_and_pages(admin, provider, job):
     assert admin.get("/api/sandboxes?sort=nonce").status_code == 400
     assert admin.get("/api/sandboxes?cursor=garbage").status_code == 400
     assert admin.get("/sandboxes?state=bogus").status_code == 400
+    fragment = admin.get(f"/sandboxes?job={job}&fragment=1")
+    assert fragment.status_code == 200 and "<html" not in fragment.get_data(as_text=True)
+    assert admin.get("/leaks?fragment=1").status_code == 200
 
 
 def test_sandbox_detail_shows_row_pod_and_history(admin, provider, job, backend):

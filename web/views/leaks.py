@@ -54,7 +54,7 @@ def index() -> Any:
         "open_count": open_count,
         "next_before": leaks[-1].id if more and leaks else None,
         "gc_last": stats.gc_last(svc.redis()),
-        "live_url": url_for("leaks.index", **request.args.to_dict(), fragment=1),
+        "live_url": url_for("leaks.index", **{**request.args.to_dict(), "fragment": 1}),
     }
     if wants_fragment():
         return render_template("partials/leaks_table.html", **context)

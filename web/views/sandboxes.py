@@ -52,7 +52,7 @@ def index() -> Any:
         "jobs": jobs,
         "columns": COLUMNS,
         "states": listing.STATE_FILTERS,
-        "live_url": url_for("sandboxes.index", **request.args.to_dict(), fragment=1),
+        "live_url": url_for("sandboxes.index", **{**request.args.to_dict(), "fragment": 1}),
     }
     if wants_fragment():
         return render_template("partials/sandboxes_table.html", **context)
