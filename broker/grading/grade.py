@@ -83,7 +83,7 @@ def apply_script(task: TaskSpec, agent_patch: str, test_patch: str) -> str:
     return f"""
 cd {q(task.repo_path)} || {{ echo "no repository at {task.repo_path}" >&2; exit 10; }}
 B={q(task.base_commit)}
-g() {{ git -c core.hooksPath=/dev/null -c core.fsmonitor=false "$@"; }}
+g() {{ git -c core.hooksPath=/dev/null -c core.fsmonitor=false -c safe.directory='*' "$@"; }}
 head=$(g rev-parse --verify -q 'HEAD^{{commit}}')
 [ "$head" = "$B" ] || {{ echo "HEAD is $head, not $B" >&2; exit 10; }}
 dirty=$(g status --porcelain --untracked-files=all | head -n 5)

@@ -35,7 +35,7 @@ GIT_OPTS = (
     "-c core.autocrlf=false -c core.safecrlf=false -c core.symlinks=true "
     "-c core.attributesFile=/dev/null -c core.excludesFile=/dev/null -c core.quotePath=true "
     "-c diff.noprefix=false -c diff.mnemonicPrefix=false -c diff.relative=false "
-    "-c diff.renames=false -c diff.external= -c core.pager=cat"
+    "-c diff.renames=false -c diff.external= -c core.pager=cat -c 'safe.directory=*'"
 )
 NEUTRAL_ATTRIBUTES = "* -text -filter !diff -ident !eol !working-tree-encoding !export-subst"
 MARKER = "SANDMAN-EXTRACT"
