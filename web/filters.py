@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import json
 from typing import Any
 
 from flask import Flask, request, url_for
@@ -65,12 +66,21 @@ def tone(state: Any) -> str:
     return STATE_TONE.get(str(state), "muted")
 
 
+def pretty(value: Any) -> str:
+    """Compact JSON for detail columns (escaped by Jinja, unlike ``tojson``'s \\u0027)."""
+    if not value:
+        return ""
+    return json.dumps(value, ensure_ascii=False, sort_keys=True, default=str)
+
+
 def pct(value: float | None) -> str:
     return "—" if value is None else f"{value * 100:.0f}%"
 
 
 def register(app: Flask) -> None:
-    app.jinja_env.filters.update(ago=ago, when=when, seconds=seconds, size=size, tone=tone, pct=pct)
+    app.jinja_env.filters.update(
+        ago=ago, when=when, seconds=seconds, size=size, tone=tone, pct=pct, pretty=pretty
+    )
 
     def page_url(**changes: Any) -> str:
         """This page's URL with some query arguments changed (empty values dropped)."""

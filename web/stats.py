@@ -215,8 +215,8 @@ def live_series(session: Session, since: dt.datetime, step_s: int) -> list[tuple
             "  coalesce(deleted_at, CASE WHEN state = 'failed' THEN failed_at END) AS b"
             "  FROM sandboxes WHERE requested_at >= :since - interval '1 day'"
             "  OR state IN ('requested','creating','ready','releasing','abandoned'))"
-            " SELECT g.t, count(s.a) FROM generate_series(:since, now(),"
-            " make_interval(secs => :step)) AS g(t)"
+            " SELECT g.t, count(s.a) FROM (SELECT generate_series(:since, now(),"
+            " make_interval(secs => :step)) UNION SELECT now()) AS g(t)"
             " LEFT JOIN s ON s.a <= g.t AND (s.b IS NULL OR s.b > g.t)"
             " GROUP BY g.t ORDER BY g.t"
         ),
