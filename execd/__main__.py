@@ -52,6 +52,12 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
         help="seconds a keep-alive connection may sit idle",
     )
     p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=60.0,
+        help="seconds a client may stall while sending one request",
+    )
+    p.add_argument(
         "--insecure-no-auth",
         action="store_true",
         help="serve without a token (local debugging only)",
@@ -156,7 +162,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     shell.start()
     state = StateKeeper(shell, workdir, rundir)
     app = App(token, shell, state, args.max_body_bytes, umask)
-    server = Server(args.listen, app, idle_timeout=args.idle_timeout)
+    server = Server(
+        args.listen, app, idle_timeout=args.idle_timeout, request_timeout=args.request_timeout
+    )
 
     def stop(signum, _frame):
         log.info("signal %d: shutting down", signum)

@@ -49,8 +49,9 @@ class App:
             raise errors.NotFound("no route %s" % req.path, "unknown_route")
         if req.method != route[0]:
             raise errors.MethodNotAllowed("%s takes %s, not %s" % (req.path, route[0], req.method))
-        body = read_body(req, self.max_body)
-        result = route[1](validate.parse_json(body))
+        doc = validate.parse_json(read_body(req, self.max_body))
+        req.body = b""  # read and parsed: let a large upload's raw bytes go now
+        result = route[1](doc)
         return result if isinstance(result, Response) else Response(200, result)
 
     def _authenticate(self, req: Request) -> None:
@@ -93,9 +94,9 @@ class App:
 
     def write(self, doc) -> dict:
         path = validate.abs_path(doc)
-        data = validate.b64bytes(doc, "content_b64")
+        text = validate.string(doc, "content_b64", text=False)
         mode = validate.integer(doc, "mode", None, 0, 0o7777)
-        return files.write_atomic(path, data, mode, self.umask)
+        return files.write_atomic(path, files.b64_pieces(text), mode, self.umask)
 
     def edit(self, doc) -> dict:
         path = validate.abs_path(doc)

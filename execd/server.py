@@ -131,6 +131,7 @@ class Handler(socketserver.StreamRequestHandler):
         return line
 
     def _read_head(self) -> Optional[Request]:
+        self.request.settimeout(self.server.idle_timeout)  # waiting between requests
         line = self._readline()
         while line in (b"\r\n", b"\n"):  # tolerate stray CRLF between requests
             line = self._readline()

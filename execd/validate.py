@@ -1,7 +1,5 @@
 """Request body parsing and field checks: bad input is always a 400, never a 500."""
 
-import base64
-import binascii
 import json
 import math
 from typing import Any, Dict, Optional
@@ -73,16 +71,6 @@ def number(doc: Dict[str, Any], name: str, default: float, lo: float, hi: float)
     if math.isnan(value) or not lo < value <= hi:
         raise BadRequest("field %r must be > %g and <= %g" % (name, lo, hi), "invalid_field")
     return value
-
-
-def b64bytes(doc: Dict[str, Any], name: str) -> bytes:
-    value = string(doc, name, text=False)
-    if len(value) % 4:  # b64decode tolerates stray padding; a length error is still an error
-        raise BadRequest("field %r is not valid base64 (length)" % name, "invalid_base64")
-    try:
-        return base64.b64decode(value.encode("ascii"), validate=True)
-    except (binascii.Error, UnicodeEncodeError, ValueError):
-        raise BadRequest("field %r is not valid base64" % name, "invalid_base64") from None
 
 
 def abs_path(doc: Dict[str, Any], name: str = "path", default: Optional[str] = None) -> str:

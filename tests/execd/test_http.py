@@ -216,3 +216,34 @@ def test_fuzz_bodies_never_500(client, tmp_path, name, body):
     for route in ("/v1/files/read", "/v1/files/write", "/v1/files/edit"):
         status, _ = client.request("POST", route, body)
         assert status != 500 and status < 600
+
+
+def test_keep_alive_survives_idle_longer_than_request_timeout(tmp_path):
+    from .conftest import Daemon
+
+    d = Daemon(tmp_path, args=["--request-timeout", "0.3", "--idle-timeout", "30"])
+    try:
+        c = d.client()
+        assert c.exec("echo 1")["stdout"] == "1\n"
+        time.sleep(0.8)
+        assert c.exec("echo 2")["stdout"] == "2\n"  # same connection, still open
+    finally:
+        d.stop()
+
+
+def test_slow_and_idle_clients_are_cut_off(tmp_path):
+    from .conftest import Daemon
+
+    d = Daemon(tmp_path, args=["--request-timeout", "0.3", "--idle-timeout", "0.5"])
+    try:
+        with socket.create_connection(("127.0.0.1", d.port), timeout=5) as s:
+            s.sendall(b"POST /v1/exec HTTP/1.1\r\nHost: x\r\n")  # ...and never finishes
+            started = time.monotonic()
+            assert s.recv(100) == b""  # closed by the server
+            assert time.monotonic() - started < 3
+        with socket.create_connection(("127.0.0.1", d.port), timeout=5) as s:
+            started = time.monotonic()
+            assert s.recv(100) == b""  # idle connection closed
+            assert time.monotonic() - started < 3
+    finally:
+        d.stop()
