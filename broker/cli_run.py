@@ -97,9 +97,9 @@ def register(group: click.Group) -> None:
             click.echo("stopped")
 
     @group.command("demo")
-    @click.option("--rollouts", default=60, show_default=True)
-    @click.option("--concurrency", default=12, show_default=True)
-    @click.option("--warm", default=8, show_default=True, help="Warm pool size (0: off).")
+    @click.option("--rollouts", default=48, show_default=True)
+    @click.option("--concurrency", default=8, show_default=True)
+    @click.option("--warm", default=12, show_default=True, help="Warm pool size (0: off).")
     @click.option("--commands", default=12, show_default=True)
     @click.pass_context
     def demo(ctx: click.Context, rollouts: int, concurrency: int, warm: int, commands: int) -> None:

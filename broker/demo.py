@@ -29,6 +29,8 @@ CPU, MEMORY = "500m", "512Mi"
 @dataclass
 class Tally:
     acquire_s: list[float] = field(default_factory=list)
+    warm_s: list[float] = field(default_factory=list)
+    cold_s: list[float] = field(default_factory=list)
     exec_s: list[float] = field(default_factory=list)
     warm: int = 0
     masked: int = 0
@@ -52,6 +54,7 @@ def rollout(client: Any, commands: int, tally: Tally) -> None:
         ) as sb:
             tally.acquire_s.append(sb.acquire_s)
             tally.warm += int(sb.lease.warm)
+            (tally.warm_s if sb.lease.warm else tally.cold_s).append(sb.acquire_s)
             sb.write_file(path, "def answer():\n    return 0\n")
             for step in range(commands):
                 started = time.perf_counter()
@@ -155,7 +158,11 @@ def run_demo(
             f"{pct(tally.exec_s, 99) * 1000:.1f} ms  ({len(tally.exec_s)} calls, "
             f"{tally.failed_steps} failed)"
         )
-        echo(f"warm-hit rate    {tally.warm / max(n, 1):.0%}")
+        echo(
+            f"warm-hit rate    {tally.warm / max(n, 1):.0%}  (warm p50 "
+            f"{pct(tally.warm_s, 50) * 1000:.1f} ms, "
+            f"cold p50 {pct(tally.cold_s, 50) * 1000:.0f} ms)"
+        )
         echo(f"throughput       {n / wall:.1f} rollouts/s over {wall:.1f} s")
         echo(f"leaks            {leaks}")
         echo(f"total            {time.monotonic() - t_start:.1f} s  -> {'OK' if ok else 'FAILED'}")
