@@ -18,6 +18,8 @@ INK, MUTED, GRID, ACCENT, FILL = "#1f2933", "#6b7785", "#e4e8ee", "#2563eb", "#d
 
 
 def _fmt(v: float) -> str:
+    if 0 < v < 0.01:
+        return "<0.01"
     if v >= 1000:
         return f"{v / 1000:.1f}k"
     if v == int(v):

@@ -90,3 +90,12 @@ def register(app: Flask) -> None:
         return url_for(request.endpoint or "overview.index", **(request.view_args or {}), **args)
 
     app.jinja_env.globals.update(page_url=page_url)
+
+    @app.context_processor
+    def _refresh() -> dict[str, Any]:
+        """Live-refresh period in seconds: ``?refresh=N`` (1-60), default 5."""
+        try:
+            secs = int(request.args.get("refresh", 5))
+        except ValueError:
+            secs = 5
+        return {"refresh_s": max(1, min(secs, 60))}

@@ -146,13 +146,13 @@ def test_operator_flow_in_a_real_browser(stack, browser):
     page.set_default_timeout(15_000)
 
     # log in
-    page.goto(base + "/sandboxes")
+    page.goto(base + "/sandboxes?refresh=1")
     assert "/login" in page.url
     shot(page, "01-login")
     page.fill("input[name=name]", "e2e")
     page.fill("input[name=secret]", ADMIN_TOKEN)
     page.click("button[type=submit]")
-    page.wait_for_url(base + "/sandboxes")
+    page.wait_for_url(base + "/sandboxes?refresh=1")
     assert page.locator(".actor").inner_text() == "admin:e2e"
 
     # a sandbox acquired through the broker appears without a page reload
@@ -181,7 +181,7 @@ def test_operator_flow_in_a_real_browser(stack, browser):
     shot(page, "02-overview")
 
     # a planted leak shows up live on the leaks page after a GC pass
-    page.goto(base + "/leaks")
+    page.goto(base + "/leaks?refresh=1")
     page.evaluate("window.__noReload = 1")
     pod_name, nonce = plant_unowned_pod(stack, job)
     broker = stack["broker"]
