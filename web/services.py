@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any
 
 from sqlalchemy.orm import Session, sessionmaker
@@ -18,6 +19,7 @@ from broker.db import make_engine, make_session_factory
 from broker.settings import Settings
 
 log = logging.getLogger(__name__)
+RETRY_S = 15.0  # after a failure, how long pages use "unavailable" before trying again
 
 
 class Services:
@@ -36,6 +38,8 @@ class Services:
         self._redis = redis
         self._redis_error: str | None = None
         self._sessions: sessionmaker[Session] | None = None
+        self._redis_failed_at = 0.0
+        self._backend_failed_at = 0.0
         self._lock = threading.Lock()
 
     # -- ledger -----------------------------------------------------------------------
@@ -63,6 +67,8 @@ class Services:
             if not url:
                 self._redis_error = "SANDMAN_REDIS_URL is not set"
                 return None
+            if time.monotonic() - self._redis_failed_at < RETRY_S:
+                return None
             try:
                 import redis
 
@@ -70,6 +76,7 @@ class Services:
                 client.ping()
             except Exception as exc:
                 self._redis_error = f"{type(exc).__name__}"
+                self._redis_failed_at = time.monotonic()
                 log.warning("redis unavailable: %s", type(exc).__name__)
                 return None
             self._redis = client
@@ -84,13 +91,14 @@ class Services:
     def backend(self) -> Any | None:
         """The pod backend for live read-back, or None (reason in ``backend_error``)."""
         with self._lock:
-            if self._backend is None and self._backend_error is None:
+            retry = time.monotonic() - self._backend_failed_at >= RETRY_S
+            if self._backend is None and retry:
                 try:
-                    from broker.backends.factory import make_backend
-
-                    self._backend = make_backend(self.settings)
+                    self._backend = _make_backend(self.settings)
+                    self._backend_error = None
                 except Exception as exc:
                     self._backend_error = f"{type(exc).__name__}: {str(exc)[:200]}"
+                    self._backend_failed_at = time.monotonic()
                     log.warning("pod backend unavailable: %s", type(exc).__name__)
             return self._backend
 
@@ -120,3 +128,15 @@ class Services:
 
     def close_request(self) -> None:
         """Nothing per request yet: sessions are opened and closed by each query."""
+
+
+def _make_backend(settings: Settings) -> Any:
+    """Like ``broker.backends.factory.make_backend`` but read-only at start: the UI never
+    creates the sandbox namespace (the broker's workers do)."""
+    if settings.backend == "kubernetes":
+        from broker.kube.backend import KubeBackend
+
+        return KubeBackend.from_settings(settings)
+    from broker.backends.local import LocalBackend
+
+    return LocalBackend(settings)

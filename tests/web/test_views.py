@@ -163,3 +163,39 @@ def test_leaks_page_lists_open_leaks_with_labels(admin, backend, web_settings, j
     detail = admin.get(f"/leaks/{leak_id}").get_data(as_text=True)
     assert "sandman.io/nonce" in detail and "n" * 32 in detail and "do-adopt" in detail
     assert admin.get("/leaks/999999999").status_code == 404
+
+
+def test_pages_degrade_when_redis_and_the_cluster_are_unreachable(
+    web_settings, provider, job, tmp_path
+):
+    import dataclasses
+
+    from tests.web.conftest import ADMIN_TOKEN, login
+    from web.app import create_app
+
+    sid = ready_sandbox(provider, job)
+    settings = dataclasses.replace(
+        web_settings, redis_url="redis://127.0.0.1:1/0", backend="kubernetes",
+        kubeconfig=str(tmp_path / "missing-kubeconfig"),
+    )  # fmt: skip
+    app = create_app(settings)
+    try:
+        client = app.test_client()
+        login(client, ADMIN_TOKEN)
+        assert "Redis unavailable" in client.get("/").get_data(as_text=True)
+        detail = client.get(f"/sandboxes/{sid}").get_data(as_text=True)
+        assert "unavailable" in detail and "ready" in detail
+        metrics = client.get("/metrics").get_data(as_text=True)
+        assert "sandman_redis_up 0" in metrics
+    finally:
+        app.extensions["sandman"].dispose()
+
+
+def test_warm_pool_hit_rate_counts_hand_outs(admin, provider, job, sessions):
+    sid = ready_sandbox(provider, job)
+    with sessions.begin() as s:
+        row = s.get(Sandbox, sid)
+        store.append_event(s, row, kind="pool", action="hand-out")
+    data = admin.get("/api/overview").json
+    assert data["warm_hits_1h"] >= 1 and data["acquires_1h"] >= 1
+    assert 0 < data["warm_hit_rate"] <= 1
