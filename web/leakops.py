@@ -59,6 +59,8 @@ class LeakView:
 
 
 def load(services: Services, leak_id: int) -> LeakView:
+    if not 0 < leak_id < 2**63:
+        raise LookupError(f"no leak {leak_id}")
     with services.sessions() as session:
         leak = session.get(Leak, leak_id)
         if leak is None:

@@ -141,6 +141,10 @@ def _decode(cursor: str, sort: str) -> tuple[Any, str, str]:
         value: Any = dt.datetime.fromisoformat(raw) if sort == "requested_at" else str(raw)
         if direction not in ("next", "prev") or not isinstance(sid, str):
             raise ValueError(direction)
+        if sort == "state":
+            value = State(value)
+        if "\x00" in str(raw) or "\x00" in sid:
+            raise ValueError("NUL")
     except (ValueError, TypeError, binascii.Error) as exc:
         raise BadQuery("invalid cursor") from exc
     return value, sid, direction

@@ -184,6 +184,12 @@ def _deny(status: int, message: str) -> Any:
     return None
 
 
+def _has_nul() -> bool:
+    """PostgreSQL rejects NUL in text: refuse it up front rather than answer 500."""
+    values = [*request.args.values(), *(str(v) for v in (request.view_args or {}).values())]
+    return any("\x00" in v for v in values) or "\x00" in request.path
+
+
 def check_csrf() -> bool:
     expected = session.get("csrf")
     offered = request.form.get("csrf_token") or request.headers.get("X-CSRF-Token") or ""
@@ -203,6 +209,8 @@ def init_app(app: Flask, settings: Settings) -> None:
     @app.before_request
     def _guard() -> Any:
         g.principal = None
+        if _has_nul():
+            return _deny(400, "NUL characters are not allowed in parameters")
         creds = credentials(settings)
         principal = _from_bearer(creds) or _from_session(creds, key)
         g.principal = principal

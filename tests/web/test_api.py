@@ -83,3 +83,34 @@ def test_metrics_are_prometheus_text_with_the_promised_families(admin, provider,
     assert count == inf >= 1
     live = [s for s in families["sandman_live_pods"].samples if s.labels["job"] == job]
     assert [(s.labels["state"], s.value) for s in live] == [("ready", 1.0)]
+
+
+def test_hostile_inputs_get_documented_errors_not_500(admin):
+    import base64
+    import json
+
+    cursor = base64.urlsafe_b64encode(json.dumps(["bogus", "x", "next"]).encode()).decode()
+    for url, status in (
+        ("/api/sandboxes?job=a%00b", 400),
+        ("/api/sandboxes/a%00b", 400),
+        (f"/api/sandboxes?sort=state&cursor={cursor}", 400),
+        ("/api/sandboxes?limit=0", 200),
+        ("/api/leaks?before=99999999999999999999999", 400),
+        ("/api/events?before=-1", 400),
+        ("/api/events?since=2000-01-01T23:59:60Z", 400),
+        ("/api/sandboxes/" + "x" * 300, 404),
+    ):
+        response = admin.get(url)
+        assert response.status_code == status, (url, response.status_code)
+        if status != 200:
+            assert set(response.json["error"]) == {"code", "message"}
+    token = admin.get("/").get_data(as_text=True).split('name="csrf_token" value="')[1]
+    token = token.split('"')[0]
+    huge = admin.post(
+        "/api/leaks/99999999999999999999/dismiss", json={}, headers={"X-CSRF-Token": token}
+    )
+    assert huge.status_code == 404
+    odd = admin.post(
+        "/api/leaks/1/delete", json={"confirm_nonce": 5}, headers={"X-CSRF-Token": token}
+    )
+    assert odd.status_code == 400

@@ -83,6 +83,8 @@ def leak_list() -> Any:
         before = int(request.args["before"]) if request.args.get("before") else None
     except ValueError:
         return error(400, "bad_request", "before must be an integer")
+    if before is not None and not 0 < before < audit.MAX_ID:
+        return error(400, "bad_request", "before is out of range")
     with services().sessions() as session:
         rows = query_leaks(session, status, request.args.get("kind", "")[:32], before)
     more = len(rows) > 100

@@ -13,6 +13,7 @@ from broker.ledger.models import Event
 
 bp = Blueprint("audit", __name__, url_prefix="/audit")
 PAGE = 100
+MAX_ID = 2**63  # bigint ids
 KINDS = ("transition", "api", "gc", "pool", "reuse", "admin")
 
 
@@ -51,6 +52,8 @@ class Search:
             limit = max(1, min(int(args.get("limit") or PAGE), 500))
         except ValueError as exc:
             raise BadSearch("before and limit must be integers") from exc
+        if before is not None and not 0 < before < MAX_ID:
+            raise BadSearch("before is out of range")
         kind = (args.get("kind") or "").strip()
         if kind and kind not in KINDS:
             raise BadSearch(f"kind must be one of {', '.join(KINDS)}")

@@ -39,6 +39,8 @@ def index() -> Any:
         abort(400, "status must be open, resolved or all")
     kind = request.args.get("kind", "")[:32]
     before = request.args.get("before", type=int)
+    if before is not None and not 0 < before < 2**63:
+        abort(400, "before is out of range")
     svc = services()
     with svc.sessions() as session:
         leaks = query_leaks(session, status, kind, before)
