@@ -192,6 +192,22 @@ def main() -> int:
                 store.ensure_job(session, warm_job, warm_pools=[])
             client.send("sandman.pool_upkeep", [], "pool")
 
+        def drained(prefix: str) -> None:
+            """Wait until the previous phase's sandboxes are gone: no CPU stolen from the next."""
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
+                with sessions() as session:
+                    left = session.scalars(
+                        select(Sandbox.id).where(
+                            Sandbox.job.like(f"{prefix}-{tag}"),
+                            Sandbox.state.in_(("requested", "creating", "ready", "releasing")),
+                        )
+                    ).all()
+                if not left:
+                    return
+                time.sleep(0.5)
+
+        drained("bench-warm")
         # -- cold acquires -----------------------------------------------------------
         if "cold" in phases:
             cold_job = f"bench-cold-{tag}"
@@ -218,6 +234,7 @@ def main() -> int:
                     sb.release()
                 time.sleep(1.0)
 
+        drained("bench-cold")
         # -- pacing accuracy ---------------------------------------------------------
         if "pace" in phases:
             rate, burst = args.pace_rate, args.pace_burst
@@ -282,6 +299,7 @@ def main() -> int:
             )
             time.sleep(1.0)
 
+        drained("bench-pace")
         # -- throughput with pacing off -------------------------------------------------
         if "throughput" in phases:
             tp_job = f"bench-tp-{tag}"

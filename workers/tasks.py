@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from celery.signals import worker_ready
+
 from workers.app import app
 from workers.runtime import broker
 
@@ -58,3 +60,9 @@ def gc() -> dict[str, object]:
     from broker.gc import run_gc
 
     return run_gc(broker().provider).to_dict()
+
+
+@worker_ready.connect
+def _build_services_early(**_: Any) -> None:
+    """Build engine, Redis pool and backend before the first task, not during it."""
+    broker()
