@@ -221,20 +221,21 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=2000)
     ap.add_argument("--python", default=sys.executable, help="interpreter running execd")
+    ap.add_argument("--n-swerex", type=int, default=200, help="swerex is slow: fewer calls")
     ap.add_argument("--skip-swerex", action="store_true")
     ap.add_argument("--debug", action="store_true", help="print the tail of the execd log")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="execd-bench-"))
     print(
         f"machine: {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}; "
-        f"execd on {args.python}; {args.n} round trips each"
+        f"execd on {args.python}; {args.n} round trips ({args.n_swerex} for swerex)"
     )
     d = Execd(args.python, tmp)
     try:
         mem_idle = d.memory_kb()
         ex = bench_execd(d, args.n)
         raw = bench_raw_pipe(args.n)
-        sw, why = (None, "skipped") if args.skip_swerex else bench_swerex(args.n)
+        sw, why = (None, "skipped") if args.skip_swerex else bench_swerex(args.n_swerex)
         print("\n== echo hi round trip")
         print(f"  execd (HTTP keep-alive)  {fmt(ex)}")
         print(f"  raw bash pipe (floor)    {fmt(raw)}")
@@ -281,7 +282,8 @@ def main():
         )
     finally:
         d.stop()
-        print("execd log:", open(tmp / "execd.log").read()[-2000:]) if "--debug" in sys.argv else None
+        if args.debug:
+            print("execd log:", (tmp / "execd.log").read_text(errors="replace")[-2000:])
         shutil.rmtree(tmp, ignore_errors=True)
     return 0
 
