@@ -8,6 +8,7 @@ the ledger when Redis or the cluster is unreachable.
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
@@ -63,7 +64,7 @@ def create_app(
 
 def _error_pages(app: Flask) -> None:
     """JSON errors under /api and /metrics, a plain page elsewhere; never a traceback."""
-    from flask import jsonify, render_template, request
+    from flask import render_template, request
     from werkzeug.exceptions import HTTPException, InternalServerError
 
     @app.errorhandler(HTTPException)
@@ -71,7 +72,12 @@ def _error_pages(app: Flask) -> None:
         code = exc.code or 500
         if request.path.startswith("/api/") or request.path == "/metrics":
             name = (exc.name or "error").lower().replace(" ", "_")
-            return jsonify({"error": {"code": name, "message": exc.description or ""}}), code
+            response = exc.get_response()  # keeps headers such as Allow on a 405
+            response.set_data(
+                json.dumps({"error": {"code": name, "message": exc.description or ""}})
+            )
+            response.mimetype = "application/json"
+            return response
         return render_template(
             "error.html", code=code, name=exc.name, message=exc.description
         ), code

@@ -24,6 +24,7 @@ from sqlalchemy.orm import Session
 
 from broker.ledger.models import Sandbox
 from broker.ledger.states import LIVE_STATES, Role, State
+from web import params
 
 COUNT_CAP = 10_000
 DEFAULT_LIMIT = 50
@@ -38,8 +39,7 @@ SORTS: dict[str, Any] = {
 STATE_FILTERS = ("live", *(s.value for s in State))
 
 
-class BadQuery(ValueError):
-    """A filter, sort or cursor the list cannot use (answered with HTTP 400)."""
+BadQuery = params.ParamError  # a filter or sort the list cannot use (HTTP 400)
 
 
 @dataclass
@@ -55,28 +55,16 @@ class ListQuery:
 
     @classmethod
     def from_args(cls, args: Any) -> ListQuery:
-        try:
-            limit = int(args.get("limit") or DEFAULT_LIMIT)
-        except ValueError as exc:
-            raise BadQuery("limit must be an integer") from exc
         query = cls(
-            state=(args.get("state") or "").strip(),
-            job=(args.get("job") or "").strip()[:63],
-            role=(args.get("role") or "").strip(),
-            q=(args.get("q") or "").strip()[:253],
-            sort=args.get("sort") or "requested_at",
-            order=args.get("order") or "desc",
-            cursor=args.get("cursor") or "",
-            limit=max(1, min(limit, MAX_LIMIT)),
+            state=params.choice(args, "state", ("", *STATE_FILTERS), ""),
+            job=params.text(args, "job", 63),
+            role=params.choice(args, "role", ("", *(r.value for r in Role)), ""),
+            q=params.text(args, "q", 253),
+            sort=params.choice(args, "sort", tuple(SORTS), "requested_at"),
+            order=params.choice(args, "order", ("asc", "desc"), "desc"),
+            cursor=params.text(args, "cursor", 1024),
+            limit=params.integer(args, "limit", 1, MAX_LIMIT, DEFAULT_LIMIT) or DEFAULT_LIMIT,
         )
-        if query.sort not in SORTS:
-            raise BadQuery(f"sort must be one of {', '.join(SORTS)}")
-        if query.order not in ("asc", "desc"):
-            raise BadQuery("order must be asc or desc")
-        if query.state and query.state not in STATE_FILTERS:
-            raise BadQuery(f"state must be one of {', '.join(STATE_FILTERS)}")
-        if query.role and query.role not in {r.value for r in Role}:
-            raise BadQuery("role must be rollout or grading")
         return query
 
     def args(self, **changes: Any) -> dict[str, Any]:
@@ -134,7 +122,12 @@ def _encode(row: Sandbox, sort: str, direction: str) -> str:
     return base64.urlsafe_b64encode(data).decode().rstrip("=")
 
 
-def _decode(cursor: str, sort: str) -> tuple[Any, str, str]:
+def _decode(cursor: str, sort: str) -> tuple[Any, str, str] | None:
+    """The cursor's position, or None when it is unreadable (then: the first page).
+
+    A cursor is opaque and only ever comes from this API; one that does not decode (a
+    stale link after a sort change, a hand-edited URL) restarts the list rather than
+    failing, which is also what keeps any string a valid value for the parameter."""
     try:
         padded = cursor + "=" * (-len(cursor) % 4)
         raw, sid, direction = json.loads(base64.urlsafe_b64decode(padded.encode()))
@@ -145,8 +138,8 @@ def _decode(cursor: str, sort: str) -> tuple[Any, str, str]:
             value = State(value)
         if "\x00" in str(raw) or "\x00" in sid:
             raise ValueError("NUL")
-    except (ValueError, TypeError, binascii.Error) as exc:
-        raise BadQuery("invalid cursor") from exc
+    except (ValueError, TypeError, binascii.Error):
+        return None
     return value, sid, direction
 
 
@@ -156,8 +149,11 @@ def statement(query: ListQuery) -> tuple[Select[tuple[Sandbox]], str]:
     stmt = filtered(query)
     direction = "next"
     descending = query.order == "desc"
-    if query.cursor:
-        value, sid, direction = _decode(query.cursor, query.sort)
+    position = _decode(query.cursor, query.sort) if query.cursor else None
+    if position is None:
+        query.cursor = ""
+    else:
+        value, sid, direction = position
         before = descending == (direction == "next")
         if before:
             stmt = stmt.where(col <= value, or_(col < value, and_(col == value, Sandbox.id < sid)))

@@ -175,7 +175,12 @@ def spec() -> dict[str, Any]:
                     "sort", {"type": _S, "enum": ["requested_at", "job", "state", "pod_name", "id"]}
                 ),
                 _param("order", {"type": _S, "enum": ["asc", "desc"]}),
-                _param("cursor", {"type": _S}),
+                _param(
+                    "cursor",
+                    {"type": _S, "maxLength": 1024},
+                    description="opaque, from next_cursor/prev_cursor; "
+                    "an unreadable one restarts at the first page",
+                ),
                 _param("limit", {"type": _I, "minimum": 1, "maximum": 200}),
             ],
         ),
@@ -200,7 +205,7 @@ def spec() -> dict[str, Any]:
             [
                 _param("status", {"type": _S, "enum": ["open", "resolved", "all"]}),
                 _param("kind", {"type": _S, "maxLength": 32}),
-                _param("before", {"type": _I}),
+                _param("before", {"type": _I, "minimum": 1, "maximum": 2**63 - 1}),
             ],
         ),
         "/api/leaks/{leak_id}/{action}": {
@@ -257,9 +262,9 @@ def spec() -> dict[str, Any]:
                     {"type": _S, "enum": ["", "transition", "api", "gc", "pool", "reuse", "admin"]},
                 ),
                 _param("actor", {"type": _S, "maxLength": 128}),
-                _param("since", {"type": _S, "format": "date-time"}),
-                _param("until", {"type": _S, "format": "date-time"}),
-                _param("before", {"type": _I}),
+                _param("since", {"type": _S, "format": "date-time", "maxLength": 64}),
+                _param("until", {"type": _S, "format": "date-time", "maxLength": 64}),
+                _param("before", {"type": _I, "minimum": 1, "maximum": 2**63 - 1}),
                 _param("limit", {"type": _I, "minimum": 1, "maximum": 500}),
             ],
         ),

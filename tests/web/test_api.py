@@ -8,7 +8,7 @@ from openapi_spec_validator import validate as validate_spec
 from prometheus_client.parser import text_string_to_metric_families
 
 from broker.ledger import store
-from tests.web.conftest import ready_sandbox
+from tests.web.conftest import ADMIN_TOKEN, ready_sandbox
 
 pytestmark = pytest.mark.unit
 
@@ -90,15 +90,20 @@ def test_hostile_inputs_get_documented_errors_not_500(admin):
     import json
 
     cursor = base64.urlsafe_b64encode(json.dumps(["bogus", "x", "next"]).encode()).decode()
+    long_q = "x" * 254
     for url, status in (
         ("/api/sandboxes?job=a%00b", 400),
         ("/api/sandboxes/a%00b", 400),
-        (f"/api/sandboxes?sort=state&cursor={cursor}", 400),
-        ("/api/sandboxes?limit=0", 200),
+        (f"/api/sandboxes?sort=state&cursor={cursor}", 200),  # unreadable: first page
+        ("/api/sandboxes?limit=0", 400),
+        (f"/api/sandboxes?q={long_q}", 400),
+        ("/api/leaks?before=", 400),
+        ("/api/leaks?before=0", 400),
         ("/api/leaks?before=99999999999999999999999", 400),
         ("/api/events?before=-1", 400),
         ("/api/events?since=2000-01-01T23:59:60Z", 400),
         ("/api/sandboxes/" + "x" * 300, 404),
+        ("/api/events?sandbox=" + "0" * 33, 400),
     ):
         response = admin.get(url)
         assert response.status_code == status, (url, response.status_code)
@@ -110,6 +115,9 @@ def test_hostile_inputs_get_documented_errors_not_500(admin):
         "/api/leaks/99999999999999999999/dismiss", json={}, headers={"X-CSRF-Token": token}
     )
     assert huge.status_code == 404
+    bearer = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    trace = admin.application.test_client().open("/api/overview", method="TRACE", headers=bearer)
+    assert trace.status_code == 405 and "GET" in trace.headers["Allow"]
     odd = admin.post(
         "/api/leaks/1/delete", json={"confirm_nonce": 5}, headers={"X-CSRF-Token": token}
     )

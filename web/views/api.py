@@ -10,7 +10,7 @@ from typing import Any
 
 from flask import Blueprint, jsonify, request
 
-from web import leakops, listing, serialize, stats
+from web import leakops, listing, params, serialize, stats
 from web.openapi import spec
 from web.views import actor, audit, jobs, sandboxes, services
 from web.views.leaks import query_leaks
@@ -76,17 +76,14 @@ def sandbox_detail(sandbox_id: str) -> Any:
 
 @bp.route("/leaks")
 def leak_list() -> Any:
-    status = request.args.get("status", "open")
-    if status not in ("open", "resolved", "all"):
-        return error(400, "bad_request", "status must be open, resolved or all")
     try:
-        before = int(request.args["before"]) if request.args.get("before") else None
-    except ValueError:
-        return error(400, "bad_request", "before must be an integer")
-    if before is not None and not 0 < before < audit.MAX_ID:
-        return error(400, "bad_request", "before is out of range")
+        status = params.choice(request.args, "status", ("open", "resolved", "all"), "open")
+        kind = params.text(request.args, "kind", 32)
+        before = params.integer(request.args, "before", 1, params.MAX_BIGINT)
+    except params.ParamError as exc:
+        return error(400, "bad_request", str(exc))
     with services().sessions() as session:
-        rows = query_leaks(session, status, request.args.get("kind", "")[:32], before)
+        rows = query_leaks(session, status, kind, before)
     more = len(rows) > 100
     rows = rows[:100]
     return jsonify(

@@ -10,15 +10,14 @@ from flask import Blueprint, abort, render_template, request, url_for
 from sqlalchemy import Select, select
 
 from broker.ledger.models import Event
+from web import params
 
 bp = Blueprint("audit", __name__, url_prefix="/audit")
 PAGE = 100
-MAX_ID = 2**63  # bigint ids
 KINDS = ("transition", "api", "gc", "pool", "reuse", "admin")
 
 
-class BadSearch(ValueError):
-    pass
+BadSearch = params.ParamError
 
 
 def parse_time(raw: str | None) -> dt.datetime | None:
@@ -47,27 +46,17 @@ class Search:
 
     @classmethod
     def from_args(cls, args: Any) -> Search:
-        try:
-            before = int(args["before"]) if args.get("before") else None
-            limit = max(1, min(int(args.get("limit") or PAGE), 500))
-        except ValueError as exc:
-            raise BadSearch("before and limit must be integers") from exc
-        if before is not None and not 0 < before < MAX_ID:
-            raise BadSearch("before is out of range")
-        kind = (args.get("kind") or "").strip()
-        if kind and kind not in KINDS:
-            raise BadSearch(f"kind must be one of {', '.join(KINDS)}")
         return cls(
-            sandbox=(args.get("sandbox") or "").strip()[:32],
-            pod=(args.get("pod") or "").strip()[:253],
-            nonce=(args.get("nonce") or "").strip()[:64],
-            job=(args.get("job") or "").strip()[:63],
-            kind=kind,
-            actor=(args.get("actor") or "").strip()[:128],
-            since=parse_time(args.get("since")),
-            until=parse_time(args.get("until")),
-            before=before,
-            limit=limit,
+            sandbox=params.text(args, "sandbox", 32),
+            pod=params.text(args, "pod", 253),
+            nonce=params.text(args, "nonce", 64),
+            job=params.text(args, "job", 63),
+            kind=params.choice(args, "kind", ("", *KINDS), ""),
+            actor=params.text(args, "actor", 128),
+            since=parse_time(params.text(args, "since", 64)),
+            until=parse_time(params.text(args, "until", 64)),
+            before=params.integer(args, "before", 1, params.MAX_BIGINT),
+            limit=params.integer(args, "limit", 1, 500, PAGE) or PAGE,
         )
 
     def statement(self) -> Select[tuple[Event]]:

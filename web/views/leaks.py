@@ -12,7 +12,7 @@ from sqlalchemy import select
 from broker.errors import SandmanError
 from broker.ledger import store
 from broker.ledger.models import Leak, utcnow
-from web import leakops, stats
+from web import leakops, params, stats
 from web.views import actor, services, wants_fragment
 
 bp = Blueprint("leaks", __name__, url_prefix="/leaks")
@@ -34,13 +34,12 @@ def query_leaks(session: Any, status: str, kind: str, before: int | None) -> lis
 
 @bp.route("")
 def index() -> Any:
-    status = request.args.get("status", "open")
-    if status not in ("open", "resolved", "all"):
-        abort(400, "status must be open, resolved or all")
-    kind = request.args.get("kind", "")[:32]
-    before = request.args.get("before", type=int)
-    if before is not None and not 0 < before < 2**63:
-        abort(400, "before is out of range")
+    try:
+        status = params.choice(request.args, "status", ("open", "resolved", "all"), "open")
+        kind = params.text(request.args, "kind", 32)
+        before = params.integer(request.args, "before", 1, params.MAX_BIGINT)
+    except params.ParamError as exc:
+        abort(400, str(exc))
     svc = services()
     with svc.sessions() as session:
         leaks = query_leaks(session, status, kind, before)
