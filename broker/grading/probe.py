@@ -59,7 +59,9 @@ class FieldCheck:
     detail: str
 
     def line(self) -> str:
-        return f"{self.field}: {self.detail}"
+        """E.g. ``egress: denied (no DNS answer)``; non-ok statuses are suffixed."""
+        suffix = "" if self.status in ("ok", "not_declared") else f" [{self.status}]"
+        return f"{self.field}: {self.detail}{suffix}"
 
 
 @dataclass
@@ -84,6 +86,7 @@ class ProbeReport:
 
     def to_dict(self) -> dict[str, Any]:
         return {
+            "lines": self.lines(),
             "checks": [asdict(c) for c in self.checks],
             "contradictions": [c.field for c in self.contradictions],
             "unreadable": [c.field for c in self.unreadable],
@@ -140,7 +143,7 @@ def decide(
 
 def _check(name: str, declared: Any, observed: Any, bad: bool, detail: str) -> FieldCheck:
     if declared is None:
-        return FieldCheck(name, "not_declared", None, observed, f"not declared; {detail}")
+        return FieldCheck(name, "not_declared", None, observed, detail)
     status = "contradiction" if bad else "ok"
     return FieldCheck(name, status, declared, observed, detail)
 
@@ -199,7 +202,7 @@ def _egress(declared: str | None, obs: dict[str, Any]) -> FieldCheck:
     state = obs.get("state")
     if state is None:
         return FieldCheck("egress", "unreadable", declared, None, "unreadable (probe failed)")
-    detail = f"{state} ({obs.get('reason')}; probed {obs.get('host')})"
+    detail = f"{state} ({obs.get('reason')})"
     bad = declared is not None and state != declared
     return _check("egress", declared, state, bad, detail)
 

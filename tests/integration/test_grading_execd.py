@@ -160,6 +160,7 @@ def test_reference_resolves_with_probe_report(sandboxes: LocalGradingSandboxes) 
     assert result.probe is not None
     egress = next(c for c in result.probe["checks"] if c["field"] == "egress")
     assert egress["observed"] == "denied" and "no DNS answer" in egress["detail"]
+    assert "egress: denied (no DNS answer)" in result.probe["lines"]
     assert len(result.attempts) == 1 and result.attempts[0].outcome == "graded"
     assert result.attempts[0].durations["probe_s"] > 0
 
