@@ -104,10 +104,16 @@ class Shell:
         return (None if call.timed_out else call.exit_code), call.out.raw()
 
     def reset(self) -> int:
-        """Kill every process below execd and start a fresh bash in the workdir."""
+        """Kill every process below execd and start a fresh bash in the workdir.
+
+        The killing happens before taking the lock: a command still running
+        (with a long timeout) ends at once because its bash dies, instead of
+        holding the reset back until it times out.
+        """
+        me = os.getpid()
+        killed = proc.kill_tree(lambda t: proc.descendants(t, [me]))
         with self.lock:
-            me = os.getpid()
-            killed = proc.kill_tree(lambda t: proc.descendants(t, [me]))
+            killed += proc.kill_tree(lambda t: proc.descendants(t, [me]))
             self._discard()
             self._restart_pending = False
             self._ensure()

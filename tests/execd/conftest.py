@@ -94,6 +94,7 @@ class Daemon:
         popen_kw=None,
         token=None,
         workdir=None,
+        wrapper=(),
     ) -> None:
         self.token = token or secrets.token_hex(16)
         self.workdir = workdir or tmp / "work"
@@ -105,6 +106,7 @@ class Daemon:
         self._log = open(self.log_path, "wb")  # noqa: SIM115 (closed in stop)
         self.proc = subprocess.Popen(
             [
+                *wrapper,
                 python or oldest_python(),
                 "-m",
                 "execd",

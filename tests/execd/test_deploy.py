@@ -2,14 +2,16 @@
 
 import os
 import shutil
+import signal
 import stat
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
 
-from .conftest import REPO, Daemon, oldest_python
+from .conftest import REPO, Daemon, oldest_python, proc_children
 
 pytestmark = pytest.mark.integration
 
@@ -87,5 +89,36 @@ def test_insecure_no_auth_flag(tmp_path):
     try:
         c = d.client()
         assert c.request("POST", "/v1/exec", {"command": "true"}, auth=False)[0] == 200
+    finally:
+        d.stop()
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="needs util-linux unshare")
+def test_as_pid_1_reaps_orphans_and_stops_on_sigterm(tmp_path):
+    probe = subprocess.run(
+        ["unshare", "--pid", "--fork", "--mount-proc", "true"], check=False, capture_output=True
+    )
+    if probe.returncode != 0:
+        pytest.skip("no permission for a PID namespace here")
+    d = Daemon(tmp_path, wrapper=["unshare", "--pid", "--fork", "--mount-proc", "--kill-child"])
+    try:
+        c = d.client()
+        assert c.request("GET", "/v1/info")[1]["pid"] == 1
+        c.exec("for i in 1 2 3; do ( sh -c 'sleep 0.1 & exit 0' & ); done")
+        zombies = (
+            "for f in /proc/[0-9]*/stat; do read -r l < $f 2>/dev/null; "
+            's=${l##*) }; [ "${s%% *}" = Z ] && echo $f; done; true'
+        )
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            r = c.exec(zombies)
+            if r["stdout"] == "":
+                break
+            time.sleep(0.1)
+        assert r["stdout"] == ""
+        assert c.request("GET", "/v1/info")[1]["orphans_reaped"] >= 3
+        execd_host_pid = next(p for p, _ in proc_children(d.proc.pid))
+        os.kill(execd_host_pid, signal.SIGTERM)
+        assert d.proc.wait(10) == 0  # unshare exits with its child's status
     finally:
         d.stop()

@@ -300,3 +300,33 @@ def test_workdir_is_starting_directory(daemon, client):
     assert c.exec("true")  # the module daemon may have moved; a reset goes back
     c.post("/v1/reset")
     assert c.exec("pwd")["stdout"].strip() == str(daemon.workdir)
+
+
+def test_timeout_when_command_blocks_the_unwinding(client):
+    r = client.exec("trap '' USR1; while :; do :; done", timeout=0.3)
+    assert r["timed_out"] and r["exit_code"] is None
+    nxt = client.exec("echo back")
+    assert nxt["stdout"] == "back\n" and nxt["session_restarted"] is True
+
+
+def test_runtime_dir_removed_by_a_command(client):
+    r = client.exec(
+        'd=$(alias __execd | grep -o "source [^ ]*" | cut -d" " -f2); '
+        'rm -rf "$(dirname "$d")"; echo removed'
+    )
+    assert r["stdout"] == "removed\n"
+    assert client.exec("echo still-works")["stdout"] == "still-works\n"
+
+
+def test_reset_interrupts_a_running_command(fresh_daemon):
+    c1, c2 = fresh_daemon.client(), fresh_daemon.client()
+    result = {}
+    t = threading.Thread(target=lambda: result.update(c1.exec("sleep 100; sleep 100", timeout=300)))
+    t.start()
+    time.sleep(0.5)
+    started = time.monotonic()
+    assert c2.post("/v1/reset")["killed"] >= 1
+    t.join(10)
+    assert not t.is_alive() and time.monotonic() - started < 5
+    assert result["exit_code"] is not None and result["exit_code"] >= 128
+    assert c2.exec("echo fresh")["stdout"] == "fresh\n"

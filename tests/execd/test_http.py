@@ -247,3 +247,19 @@ def test_slow_and_idle_clients_are_cut_off(tmp_path):
             assert time.monotonic() - started < 3
     finally:
         d.stop()
+
+
+def test_expect_continue_accepted(daemon):
+    body = json.dumps({"command": "echo cont"}).encode()
+    head = (
+        f"POST /v1/exec HTTP/1.1\r\nAuthorization: Bearer {daemon.token}\r\n"
+        f"Expect: 100-continue\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    with socket.create_connection(("127.0.0.1", daemon.port), timeout=10) as s:
+        s.sendall(head)
+        assert s.recv(100).startswith(b"HTTP/1.1 100 Continue\r\n\r\n")
+        s.sendall(body)
+        data = b""
+        while not _complete(data) or b"\r\n\r\n" not in data:
+            data += s.recv(65536)
+    assert status_of(data) == 200 and b'"stdout":"cont\\n"' in data
