@@ -290,6 +290,9 @@ set -e
 git apply /tmp/fix.patch
 printf 'new module\n' > statlib/extra.py
 printf '\x00\x01\x02binary\xff' > statlib/blob.bin
+rm README.md                                        # a deletion
+chmod +x statlib/__init__.py                        # a mode change
+ln -s stats.py statlib/link.py                      # a symlink
 sed -i 's/2.5)/3)/' tests/test_stats.py           # weaken the test
 printf 'import pytest\n' > tests/conftest.py        # outcome rewriting attempt
 python3 -m unittest tests.test_stats >/dev/null 2>&1 || true   # leaves __pycache__
@@ -324,6 +327,9 @@ def test_extraction_from_tampered_rollout_then_grade(
         "statlib/stats.py",
         "statlib/extra.py",
         "statlib/blob.bin",
+        "statlib/link.py",
+        "statlib/__init__.py",
+        "README.md",
         ".gitattributes",
     }
     assert b"GIT binary patch" in extracted.patch
@@ -334,6 +340,9 @@ def test_extraction_from_tampered_rollout_then_grade(
     # The new files arrived byte-exact in the grading sandbox.
     assert (sandboxes.repo_path / "statlib" / "blob.bin").read_bytes() == b"\x00\x01\x02binary\xff"
     assert (sandboxes.repo_path / "statlib" / "extra.py").read_text() == "new module\n"
+    assert not (sandboxes.repo_path / "README.md").exists()
+    assert os.access(sandboxes.repo_path / "statlib" / "__init__.py", os.X_OK)
+    assert os.readlink(sandboxes.repo_path / "statlib" / "link.py") == "stats.py"
 
 
 def test_extraction_refuses_missing_base(template: Path, tmp_path: Path) -> None:
