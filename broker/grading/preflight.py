@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from broker.errors import SandmanError
 from broker.grading.grade import Grader
 from broker.grading.results import GradeResult, Verdict
 from broker.grading.spec import TaskSpec
@@ -78,8 +79,12 @@ def preflight_task(grader: Grader, task: TaskSpec) -> PreflightEntry:
     started = time.monotonic()
     if task.reference_patch is None:
         return PreflightEntry(task.task_id, "no_reference", task.source)
-    reference = grader.grade(task, task.reference_patch)
-    empty = grader.grade(task, b"")
+    try:
+        reference = grader.grade(task, task.reference_patch)
+        empty = grader.grade(task, b"")
+    except SandmanError as exc:  # e.g. UnknownJob, an image the broker refuses
+        message = f"{type(exc).__name__}: {exc}"
+        return PreflightEntry(task.task_id, "error", task.source, errors=[message])
     return PreflightEntry(
         task.task_id,
         classify(reference, empty),
