@@ -330,3 +330,15 @@ def test_reset_interrupts_a_running_command(fresh_daemon):
     assert not t.is_alive() and time.monotonic() - started < 5
     assert result["exit_code"] is not None and result["exit_code"] >= 128
     assert c2.exec("echo fresh")["stdout"] == "fresh\n"
+
+
+def test_exec_replacing_the_shell_returns_its_status(client):
+    r = client.exec("exec sh -c 'echo replaced; exit 5'")
+    assert (r["exit_code"], r["stdout"]) == (5, "replaced\n")
+    assert client.exec("echo ok")["session_restarted"] is True
+
+
+def test_stray_background_output_between_calls_is_not_attributed(client):
+    client.exec("(sleep 0.3; echo late) &")
+    time.sleep(0.8)
+    assert client.exec("echo now")["stdout"] == "now\n"
