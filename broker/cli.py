@@ -172,6 +172,7 @@ def _register_subcommands() -> None:
     cli_run.register(main)
     cli_grading.register(main)
     cli_web.register(main)
+    __import__("broker.cli_replay").cli_replay.register(main)
 
 
 _register_subcommands()
