@@ -126,6 +126,7 @@ def _json(schema: dict[str, Any], description: str = "OK") -> dict[str, Any]:
 _ERRORS = {
     "400": _json(_ref("Error"), "Bad request"),
     "401": _json(_ref("Error"), "Not logged in"),
+    "414": {"description": "URI too long (refused by the HTTP server before the app)"},
 }
 
 

@@ -22,7 +22,19 @@ def text(args: Any, name: str, max_len: int, default: str = "") -> str:
         return default
     if len(value) > max_len:
         raise ParamError(f"{name} is longer than {max_len} characters")
-    return str(value).strip()
+    # No stored id, name or nonce can contain NUL (PostgreSQL text cannot), nor U+FFFD:
+    # the substitute makes the filter match nothing instead of failing in the driver.
+    return str(value).replace("\x00", "\ufffd").strip()
+
+
+def timestamp(args: Any, name: str) -> str | None:
+    """A date-time parameter: absent is None; present must be non-empty (parsed later)."""
+    value = args.get(name)
+    if value is None:
+        return None
+    if not value.strip() or len(value) > 64:
+        raise ParamError(f"{name} must be an ISO 8601 date-time")
+    return str(value)
 
 
 def integer(args: Any, name: str, lo: int, hi: int, default: int | None = None) -> int | None:

@@ -169,25 +169,20 @@ def _wants_json() -> bool:
 
 
 def _deny(status: int, message: str) -> Any:
+    codes = {401: "unauthorized", 403: "forbidden", 404: "not_found"}
     if _wants_json():
-        return jsonify(
-            {
-                "error": {
-                    "code": "unauthorized" if status == 401 else "forbidden",
-                    "message": message,
-                }
-            }
-        ), status
+        return jsonify({"error": {"code": codes[status], "message": message}}), status
     if status == 401:
         return redirect(url_for("auth.login", next=request.full_path.rstrip("?")))
     abort(status, message)
     return None
 
 
-def _has_nul() -> bool:
-    """PostgreSQL rejects NUL in text: refuse it up front rather than answer 500."""
-    values = [*request.args.values(), *(str(v) for v in (request.view_args or {}).values())]
-    return any("\x00" in v for v in values) or "\x00" in request.path
+def _nul_in_path() -> bool:
+    """PostgreSQL text cannot hold NUL, so no row has one in its id: answer 404 up front
+    (query parameters are handled in ``web.params``)."""
+    values = [str(v) for v in (request.view_args or {}).values()]
+    return "\x00" in request.path or any("\x00" in v for v in values)
 
 
 def check_csrf() -> bool:
@@ -209,8 +204,8 @@ def init_app(app: Flask, settings: Settings) -> None:
     @app.before_request
     def _guard() -> Any:
         g.principal = None
-        if _has_nul():
-            return _deny(400, "NUL characters are not allowed in parameters")
+        if _nul_in_path():
+            return _deny(404, "not found")
         creds = credentials(settings)
         principal = _from_bearer(creds) or _from_session(creds, key)
         g.principal = principal

@@ -53,8 +53,8 @@ class Search:
             job=params.text(args, "job", 63),
             kind=params.choice(args, "kind", ("", *KINDS), ""),
             actor=params.text(args, "actor", 128),
-            since=parse_time(params.text(args, "since", 64)),
-            until=parse_time(params.text(args, "until", 64)),
+            since=parse_time(params.timestamp(args, "since")),
+            until=parse_time(params.timestamp(args, "until")),
             before=params.integer(args, "before", 1, params.MAX_BIGINT),
             limit=params.integer(args, "limit", 1, 500, PAGE) or PAGE,
         )
@@ -92,7 +92,8 @@ def index() -> Any:
     from web.views import services
 
     try:
-        search = Search.from_args(request.args)
+        # HTML forms send empty fields: for the page, empty means "no filter".
+        search = Search.from_args({k: v for k, v in request.args.items() if v})
     except BadSearch as exc:
         abort(400, str(exc))
     with services().sessions() as session:
