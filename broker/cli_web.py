@@ -48,6 +48,7 @@ def gunicorn_argv(bind: str, workers: int) -> list[str]:
         "--workers", str(workers),
         "--threads", "4",
         "--timeout", "60",
+        "--limit-request-line", "8190",  # long filter URLs get the app's 400, not a 414
         "--access-logfile", "-",
         "web.wsgi:app",
     ]  # fmt: skip

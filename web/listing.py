@@ -62,7 +62,7 @@ class ListQuery:
             q=params.text(args, "q", 253),
             sort=params.choice(args, "sort", tuple(SORTS), "requested_at"),
             order=params.choice(args, "order", ("asc", "desc"), "desc"),
-            cursor=params.text(args, "cursor", 1024),
+            cursor=params.text(args, "cursor", 512),
             limit=params.integer(args, "limit", 1, MAX_LIMIT, DEFAULT_LIMIT) or DEFAULT_LIMIT,
         )
         return query

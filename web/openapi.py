@@ -178,7 +178,7 @@ def spec() -> dict[str, Any]:
                 _param("order", {"type": _S, "enum": ["asc", "desc"]}),
                 _param(
                     "cursor",
-                    {"type": _S, "maxLength": 1024},
+                    {"type": _S, "maxLength": 512},
                     description="opaque, from next_cursor/prev_cursor; "
                     "an unreadable one restarts at the first page",
                 ),
