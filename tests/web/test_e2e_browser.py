@@ -112,7 +112,10 @@ def browser():
     if not Path(CHROMIUM).exists():
         unavailable("Chromium", f"{CHROMIUM} missing (apt-get install -y chromium)")
     os.environ.setdefault("PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD", "1")
-    from playwright.sync_api import sync_playwright
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError as exc:
+        unavailable("playwright", exc)
 
     with sync_playwright() as pw:
         b = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
