@@ -184,6 +184,8 @@ class Broker:
             limits = self.limits(job)
             max_live, reuse_on = job.max_live, job.reuse
             existing = store.by_request(session, rid)
+        if existing is None and mailbox.cancelled(self.redis, rid):
+            raise AcquireTimeout(f"acquire {rid} was abandoned by its trainer while queued")
         if existing is None:
             key = pool_key(
                 spec.image, spec.image_digest, spec.base_commit, spec.cpu_m, spec.memory_b

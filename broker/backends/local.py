@@ -331,7 +331,7 @@ class LocalBackend:
         return [self._info(m, probe=False) for m in self._all() if m.get("namespace") == namespace]
 
     def watch_ready(self, namespace: str, names: set[str], timeout_s: float) -> Iterator[PodInfo]:
-        """Poll (50 ms) until every named pod is ready or failed, or the timeout passes."""
+        """Poll (20 ms) until every named pod is ready or failed, or the timeout passes."""
         deadline = time.monotonic() + timeout_s
         pending = set(names)
         while pending:
@@ -344,4 +344,4 @@ class LocalBackend:
                     yield info
             if not pending or time.monotonic() >= deadline:
                 return
-            time.sleep(0.05)
+            time.sleep(0.02)

@@ -303,7 +303,7 @@ def _wait_owned(sessions: Any, sandbox_id: str) -> Sandbox:
     while True:
         with sessions() as session:
             row = session.get(Sandbox, sandbox_id)
-            if row is not None and row.acquired_at is not None:
+            if row is not None and row.acquire_latency_s is not None:
                 events = session.scalars(
                     select(Event).where(Event.sandbox_id == sandbox_id, Event.action == "hand-out")
                 ).all()
