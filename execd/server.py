@@ -117,8 +117,8 @@ class Handler(socketserver.StreamRequestHandler):
         self._send(resp, req.keep_alive)
         log.info(
             "%s %s %d %.1fms",
-            req.method,
-            req.path,
+            req.method[:16],
+            req.path[:200],
             resp.status,
             (time.monotonic() - started) * 1000,
         )
@@ -254,6 +254,9 @@ class Server(socketserver.ThreadingMixIn, socketserver.TCPServer):
             self.shutdown_request(request)
             return
         super().process_request(request, client_address)
+
+    def handle_error(self, request, client_address) -> None:
+        log.exception("connection from %s failed", client_address[0])
 
     def process_request_thread(self, request, client_address) -> None:
         try:

@@ -116,9 +116,26 @@ def test_as_pid_1_reaps_orphans_and_stops_on_sigterm(tmp_path):
                 break
             time.sleep(0.1)
         assert r["stdout"] == ""
-        assert c.request("GET", "/v1/info")[1]["orphans_reaped"] >= 3
+        while c.request("GET", "/v1/info")[1]["orphans_reaped"] < 3:  # each sleep, at least
+            assert time.monotonic() < deadline + 5
+            time.sleep(0.05)
         execd_host_pid = next(p for p, _ in proc_children(d.proc.pid))
         os.kill(execd_host_pid, signal.SIGTERM)
         assert d.proc.wait(10) == 0  # unshare exits with its child's status
     finally:
         d.stop()
+
+
+def test_sigterm_cleans_up_processes_and_runtime_dir(tmp_path):
+    d = Daemon(tmp_path)
+    c = d.client()
+    bash_pid = c.request("GET", "/v1/info")[1]["session_pid"]
+    job = int(c.exec("sleep 300 & echo $!")["stdout"])
+    script = c.exec('alias __execd | grep -o "source [^ ]*" | cut -d" " -f2')["stdout"].strip()
+    rundir = os.path.dirname(script)
+    assert os.path.isdir(rundir) and not rundir.startswith(str(REPO))
+    d.stop()
+    assert d.proc.returncode == 0
+    for pid in (bash_pid, job):
+        assert not os.path.exists(f"/proc/{pid}") or "Z" in Path(f"/proc/{pid}/stat").read_text()
+    assert not os.path.exists(rundir)
