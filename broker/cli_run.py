@@ -151,6 +151,7 @@ def register(group: click.Group) -> None:
         readiness_budget_s: float | None,
     ) -> None:
         """Create or update job NAME."""
+        from broker.errors import SandmanError
         from broker.ledger import store
 
         settings = _settings(ctx)
@@ -167,9 +168,17 @@ def register(group: click.Group) -> None:
                 config[key] = value
         config["max_reuses"] = max_reuses if max_reuses is not None else settings.max_reuses
         if warm:
-            config["warm_pools"] = [parse_warm(w, settings.idle_timeout_s) for w in warm]
-        with _sessions(settings).begin() as session:
-            row = store.ensure_job(session, name, **config)
+            try:
+                config["warm_pools"] = [parse_warm(w, settings.idle_timeout_s) for w in warm]
+            except (ValueError, SandmanError) as exc:
+                raise click.ClickException(str(exc)) from exc
+        try:
+            with _sessions(settings).begin() as session:
+                store.ensure_job(session, name, **config)
+        except SandmanError as exc:
+            raise click.ClickException(str(exc)) from exc
+        with _sessions(settings)() as session:
+            row = store.get_job(session, name)
             click.echo(
                 json.dumps(
                     {
