@@ -5,6 +5,8 @@ import threading
 import time
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from .conftest import proc_children
 
@@ -342,3 +344,14 @@ def test_stray_background_output_between_calls_is_not_attributed(client):
     client.exec("(sleep 0.3; echo late) &")
     time.sleep(0.8)
     assert client.exec("echo now")["stdout"] == "now\n"
+
+
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(data=st.binary(max_size=3000))
+def test_output_bytes_survive_the_pipes(client, tmp_path, data):
+    client.write(tmp_path / "out.bin", data)
+    r = client.exec(f"cat {tmp_path}/out.bin; cat {tmp_path}/out.bin >&2")
+    assert r["stdout_bytes"] == r["stderr_bytes"] == len(data)
+    assert r["stdout"] == r["stderr"] == data.decode("utf-8", "replace")

@@ -169,3 +169,38 @@ def test_edit_refusals(client, tmp_path):
         "POST", "/v1/files/edit", {"path": str(tmp_path / "f"), "old": "a", "new": None}
     )
     assert got == 400 and doc["error"]["code"] == "missing_field"
+
+
+line = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\r\n"), max_size=8)
+
+
+@FAST
+@given(
+    lines=st.lists(line, min_size=2, max_size=6, unique=True),
+    eol=st.sampled_from(["\n", "\r\n"]),
+    bom=st.booleans(),
+    final=st.booleans(),
+    new=line,
+)
+def test_edit_over_http_matches_expected_replace(client, tmp_path, lines, eol, bom, final, new):
+    text = eol.join(lines) + (eol if final else "")
+    old = lines[0] + "\n" + lines[1]  # the agent sends LF, whatever the file uses
+    if occurrences_of(text, old.replace("\n", eol)) != 1:
+        return
+    path = tmp_path / "prop.txt"
+    raw = (b"\xef\xbb\xbf" if bom else b"") + text.encode()
+    path.write_bytes(raw)
+    os.chmod(path, 0o604)
+    r = edit(client, path, old, new)
+    expected = (b"\xef\xbb\xbf" if bom else b"") + text.replace(
+        old.replace("\n", eol), new, 1
+    ).encode()
+    assert path.read_bytes() == expected
+    assert r == {"size": len(expected), "sha256": hashlib.sha256(expected).hexdigest()}
+    assert stat.S_IMODE(path.stat().st_mode) == 0o604
+
+
+def occurrences_of(text, needle):
+    from execd.edit import occurrences
+
+    return occurrences(text, needle)
