@@ -78,7 +78,8 @@ def histogram(title: str, bounds: Sequence[float], cumulative: Sequence[int], un
     ]
     if not any(counts):
         return _empty(title)
-    labels = [f"≤{_fmt(b)}{unit}" for b in bounds] + [f">{_fmt(bounds[-1])}{unit}"]
+    labels = [f"≤{_fmt(b)}" for b in bounds] + [f">{_fmt(bounds[-1])}"]
+    title = f"{title} ({unit.strip()})" if unit.strip() else title
     top = _nice_top(max(counts))
     plot_w, plot_h = W - PAD_L - PAD_R, H - PAD_T - PAD_B
     slot = plot_w / len(counts)
@@ -91,11 +92,10 @@ def histogram(title: str, bounds: Sequence[float], cumulative: Sequence[int], un
             f'<rect x="{x:.1f}" y="{y:.1f}" width="{slot - 4:.1f}" height="{h:.1f}" '
             f'fill="{ACCENT}" rx="1"><title>{escape(label)}: {n}</title></rect>'
         )
-        if i % 2 == 0 or len(counts) <= 8:
-            body.append(
-                f'<text x="{x + (slot - 4) / 2:.1f}" y="{H - PAD_B + 13}" font-size="9" '
-                f'text-anchor="middle" fill="{MUTED}">{escape(label)}</text>'
-            )
+        body.append(  # every bucket labelled: a bar without a label is a guess
+            f'<text x="{x + (slot - 4) / 2:.1f}" y="{H - PAD_B + 13}" font-size="9" '
+            f'text-anchor="middle" fill="{MUTED}">{escape(label)}</text>'
+        )
     total = cumulative[-1]
     body.append(
         f'<text x="{W - PAD_R}" y="16" font-size="11" text-anchor="end" fill="{MUTED}">'

@@ -136,3 +136,25 @@ def test_security_headers(admin):
     response = admin.get("/")
     assert "default-src 'self'" in response.headers["Content-Security-Policy"]
     assert response.headers["X-Frame-Options"] == "DENY"
+
+
+def test_future_settings_fields_are_honoured(web_settings):
+    """``viewer_token`` and ``web_cookie_secure`` are read with getattr until Settings has them."""
+    import dataclasses
+
+    from broker.settings import Settings
+    from web.app import create_app
+
+    @dataclasses.dataclass(frozen=True)
+    class Future(Settings):
+        viewer_token: str = "field-viewer-token-0123456789"
+        web_cookie_secure: bool = True
+
+    app = create_app(Future(**dataclasses.asdict(web_settings)))
+    try:
+        client = app.test_client()
+        response = login(client, "field-viewer-token-0123456789", "carol")
+        assert response.status_code == 302 and "Secure" in response.headers["Set-Cookie"]
+        assert login(app.test_client(), VIEWER_TOKEN).status_code == 401  # file ignored now
+    finally:
+        app.extensions["sandman"].dispose()

@@ -140,6 +140,15 @@ def plant_unowned_pod(stack, job: str) -> tuple[str, str]:
     return name, nonce
 
 
+def acquire(stack, job: str):
+    """One real acquire through the broker service: pacer, intent, local pod, readiness."""
+    return stack["broker"].acquire({
+        "request_id": f"r-{uuid.uuid4().hex}", "job": job, "image": "local/task:1",
+        "cpu_m": 500, "memory_b": 256 << 20, "enqueued_at": time.time(),
+        "deadline": time.time() + 60,
+    })  # fmt: skip
+
+
 def test_operator_flow_in_a_real_browser(stack, browser):
     job = f"e2e-{secrets.token_hex(3)}"
     with stack["sessions"].begin() as s:
@@ -160,11 +169,7 @@ def test_operator_flow_in_a_real_browser(stack, browser):
 
     # a sandbox acquired through the broker appears without a page reload
     page.evaluate("window.__noReload = 1")
-    lease = stack["broker"].acquire({
-        "request_id": f"r-{uuid.uuid4().hex}", "job": job, "image": "local/task:1",
-        "cpu_m": 500, "memory_b": 256 << 20, "enqueued_at": time.time(),
-        "deadline": time.time() + 60,
-    })  # fmt: skip
+    lease = acquire(stack, job)
     link = page.locator(f"#sandboxes a:has-text('{lease.sandbox_id[:12]}')")
     link.wait_for()
     assert page.evaluate("window.__noReload") == 1
@@ -178,9 +183,11 @@ def test_operator_flow_in_a_real_browser(stack, browser):
     assert page.locator("#events tbody tr").count() >= 3
     shot(page, "04-sandbox-detail")
 
-    # overview with that sandbox counted
+    # a little more history for the overview: two more acquires, one released
+    more = [acquire(stack, job) for _ in range(2)]
+    stack["broker"].provider.release(more[0].sandbox_id, reason="test-done")
     page.goto(base + "/")
-    assert int(page.locator("#stat-live").inner_text()) >= 1
+    assert int(page.locator("#stat-live").inner_text()) >= 2
     shot(page, "02-overview")
 
     # a planted leak shows up live on the leaks page after a GC pass
@@ -217,7 +224,8 @@ def test_operator_flow_in_a_real_browser(stack, browser):
     assert page.locator("#audit tr:has-text('leak-deleted')").count() == 1
     shot(page, "09-audit")
 
-    stack["broker"].provider.release(lease.sandbox_id, reason="test-done")
+    for sid in (lease.sandbox_id, more[1].sandbox_id):
+        stack["broker"].provider.release(sid, reason="test-done")
     with stack["sessions"]() as s:
         assert s.get(Sandbox, lease.sandbox_id).state == State.DELETED
     page.close()

@@ -19,7 +19,7 @@ def test_overview_shows_live_counts_charts_and_leaks(admin, provider, job, sessi
         store.record_leak(s, "unowned_pod", pod_name="sm-x", namespace="ns", job=job)
     page = admin.get("/").get_data(as_text=True)
     assert job in page and "Live sandboxes" in page and "Leaks open" in page
-    assert page.count("<svg") >= 5 and "Create → Ready" in page
+    assert page.count("<svg") >= 5 and "Create → Ready" in page and "(s)" in page
     assert "Redis unavailable" in page  # no Redis in unit tests: degrade, do not fail
     fragment = admin.get("/?fragment=1").get_data(as_text=True)
     assert "<html" not in fragment and job in fragment
@@ -199,3 +199,25 @@ def test_warm_pool_hit_rate_counts_hand_outs(admin, provider, job, sessions):
     data = admin.get("/api/overview").json
     assert data["warm_hits_1h"] >= 1 and data["acquires_1h"] >= 1
     assert 0 < data["warm_hit_rate"] <= 1
+
+
+def test_sortable_headers_toggle_and_mark_the_sorted_column(admin, provider, job):
+    ready_sandbox(provider, job)
+    page = admin.get(f"/sandboxes?job={job}&sort=job&order=asc").get_data(as_text=True)
+    assert 'aria-sort="ascending"' in page and "order=desc" in page
+    assert admin.get(f"/sandboxes?job={job}&sort=state&order=desc").status_code == 200
+
+
+def test_operator_gc_pass_is_audited(admin, sessions):
+    from tests.web.conftest import csrf_of
+
+    token = csrf_of(admin.get("/leaks").get_data(as_text=True))
+    response = admin.post("/leaks/gc", data={"csrf_token": token, "dry_run": "yes"})
+    assert response.status_code == 302
+    flashed = admin.get("/leaks").get_data(as_text=True)
+    assert "GC pass (dry run)" in flashed
+    with sessions() as s:
+        events = s.scalars(
+            select(Event).where(Event.kind == "admin", Event.action == "gc-pass")
+        ).all()
+    assert events and events[-1].actor == "admin:alice" and events[-1].outcome == "dry-run"
