@@ -94,6 +94,11 @@ class Execd:
             raise RuntimeError(f"{path}: {resp.status} {data[:200]!r}")
         return json.loads(data)
 
+    def get(self, path):
+        self.conn.request("GET", path, headers=self.headers)
+        resp = self.conn.getresponse()
+        return json.loads(resp.read())
+
     def memory_kb(self):
         out = {}
         with open(f"/proc/{self.proc.pid}/status") as f:
@@ -108,15 +113,26 @@ class Execd:
         self.proc.wait(10)
 
 
+def cpu_seconds(pid):
+    """utime + stime of a process: unlike latency, not inflated by a busy machine."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def bench_execd(d, n):
     for _ in range(50):
         d.post("/v1/exec", {"command": "echo hi"})
+    info = d.get("/v1/info")
+    pids = (d.proc.pid, info["session_pid"])
+    cpu_before = [cpu_seconds(p) for p in pids]
     samples = []
     for _ in range(n):
         t = time.perf_counter()
         r = d.post("/v1/exec", {"command": "echo hi"})
         samples.append(time.perf_counter() - t)
         assert r["stdout"] == "hi\n"
+    d.cpu_per_call = [(cpu_seconds(p) - b) / n for p, b in zip(pids, cpu_before, strict=True)]
     return samples
 
 
@@ -252,6 +268,10 @@ def main():
                 f"  ratio swerex / execd     p50 {pct(sw, 0.5) / pct(ex, 0.5):6.1f}x   "
                 f"p99 {pct(sw, 0.99) / pct(ex, 0.99):6.1f}x"
             )
+        print(
+            f"  CPU per call             execd {d.cpu_per_call[0] * 1e6:6.0f} us   "
+            f"bash {d.cpu_per_call[1] * 1e6:6.0f} us  (load-independent)"
+        )
         print("\n== files through execd (write, then read back, base64 JSON)")
         for size in (1 << 20, 100 << 20):
             tw, tr = bench_files(d, tmp, size)

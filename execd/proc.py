@@ -79,12 +79,18 @@ def direct_children(pid: int) -> Set[int]:
         return set()
 
 
-def environ_has(pid: int, entry: bytes) -> bool:
+def environ_value(pid: int, name: bytes) -> Optional[bytes]:
+    """The value of one variable in a process's (exec-time) environment."""
     try:
         with open("/proc/%d/environ" % pid, "rb") as f:
-            return entry in f.read().split(b"\0")
+            entries = f.read().split(b"\0")
     except OSError:
-        return False
+        return None
+    prefix = name + b"="
+    for entry in entries:
+        if entry.startswith(prefix):
+            return entry[len(prefix) :]
+    return None
 
 
 def cmdline(pid: int) -> str:

@@ -27,6 +27,7 @@ log = logging.getLogger("execd.session")
 F_SETPIPE_SZ = 1031
 ABORT_GRACE_S = 2.0
 FAST_WINDOW_S = 0.002
+PUMP_DELAY_S = 0.05
 _SIGDEF = (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGUSR1, signal.SIGINT, signal.SIGTERM)
 
 
@@ -95,6 +96,10 @@ class Session:
         os.set_blocking(self._done_r, False)
         self._resume = threading.Event()
         self._paused = False
+        self._pump_polling = False
+        self._last_call_end = 0.0
+        self._children_stale = True
+        self._children_before: Set[int] = set()
         self._ctl = b""
         self._eof: Set[int] = set()
         self._poller = self._new_poller(self._done_r)
@@ -122,7 +127,7 @@ class Session:
         with self._mu:
             self._call = call
         try:
-            before = proc.direct_children(self.pid)
+            before = self._children_before  # refreshed by the pump, off the hot path
             self._write_script(command)
             self._send(bashproto.call_line(call_id))
             self._pause_pump()
@@ -173,13 +178,12 @@ class Session:
 
     def _abort(self, call: Call, before: Set[int]) -> None:
         """Kill what the call started and unwind bash out of it, keeping the shell."""
-        marker = ("%s=%d" % (bashproto.CALL_VAR, call.id)).encode()
         deadline = time.monotonic() + ABORT_GRACE_S
         pause = 0.02
         while not call.done.is_set():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, signal.SIGUSR1)
-            proc.kill_tree(lambda table: self._call_procs(table, before, marker))
+            proc.kill_tree(lambda table: self._call_procs(table, before, call.id))
             if self._read_until(call, time.monotonic() + pause):
                 return
             pause = min(pause * 2, 0.2)
@@ -189,14 +193,25 @@ class Session:
                 self._read_until(call, time.monotonic() + 5)
                 return
 
-    def _call_procs(self, table, before: Set[int], marker: bytes) -> Set[int]:
+    def _call_procs(self, table, before: Set[int], call_id: int) -> Set[int]:
+        """The processes a call started, wherever they went.
+
+        A process carrying this call's SANDMAN_EXECD_CALL is the call's; one
+        carrying another call's value is an earlier background job and is
+        spared; one without any (it cleared its environment) is the call's if
+        it is below bash but not below a child bash had before the call.
+        """
+        name = bashproto.CALL_VAR.encode()
+        mine = str(call_id).encode()
         old = {p for p in before if p in table and table[p].ppid == self.pid}
         old |= proc.descendants(table, old)
-        targets = proc.descendants(table, [self.pid]) - old
-        for pid in proc.descendants(table, [os.getpid()]) - targets - old - {self.pid}:
-            if table[pid].ppid != self.pid and proc.environ_has(pid, marker):
+        under_bash = proc.descendants(table, [self.pid])
+        targets: Set[int] = set()
+        for pid in proc.descendants(table, [os.getpid()]) - {self.pid}:
+            value = proc.environ_value(pid, name)
+            if value == mine or (value is None and pid in under_bash and pid not in old):
                 targets.add(pid)
-                targets |= proc.descendants(table, [pid])
+        targets |= proc.descendants(table, targets)
         targets.discard(self.pid)
         return targets
 
@@ -253,7 +268,25 @@ class Session:
                 self._resume.wait()
                 self._resume.clear()
                 continue
-            self._handle(poller, poller.poll())
+            # Start only once the shell has been idle for a moment: calls in
+            # quick succession then never wake this thread (the pipes hold
+            # 1 MiB meanwhile), and it never competes with a reply being sent.
+            idle = time.monotonic() - self._last_call_end
+            if idle < PUMP_DELAY_S:
+                time.sleep(PUMP_DELAY_S - idle)
+                continue
+            if self._children_stale:
+                # Between calls bash starts nothing: its children now are the
+                # background jobs a timeout must spare (see _call_procs).
+                self._children_before = proc.direct_children(self.pid)
+                self._children_stale = False
+                continue
+            self._pump_polling = True
+            try:
+                events = [] if self._paused else poller.poll()
+            finally:
+                self._pump_polling = False
+            self._handle(poller, events)
 
     def _new_poller(self, extra: int):
         poller = select.poll()
@@ -264,10 +297,13 @@ class Session:
     def _pause_pump(self) -> None:
         self._resume.clear()
         self._paused = True
-        with contextlib.suppress(OSError):
-            os.write(self._wake_w, b"p")
+        if self._pump_polling:  # only a pump blocked in poll() needs waking
+            with contextlib.suppress(OSError):
+                os.write(self._wake_w, b"p")
 
     def _resume_pump(self) -> None:
+        self._last_call_end = time.monotonic()
+        self._children_stale = True
         self._paused = False
         self._resume.set()
 
