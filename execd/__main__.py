@@ -182,7 +182,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         workdir,
     )
     try:
-        server.serve_forever(poll_interval=0.5)
+        server.serve_forever(poll_interval=0.2)
     finally:
         server.server_close()
         try:

@@ -355,3 +355,17 @@ def test_output_bytes_survive_the_pipes(client, tmp_path, data):
     r = client.exec(f"cat {tmp_path}/out.bin; cat {tmp_path}/out.bin >&2")
     assert r["stdout_bytes"] == r["stderr_bytes"] == len(data)
     assert r["stdout"] == r["stderr"] == data.decode("utf-8", "replace")
+
+
+def test_both_streams_flooding_at_once(client):
+    r = client.exec(
+        "head -c 3000000 /dev/zero >&2 & head -c 3000000 /dev/zero; wait", max_output_bytes=100
+    )
+    assert (r["stdout_bytes"], r["stderr_bytes"], r["truncated"]) == (3000000, 3000000, True)
+
+
+def test_timeout_while_flooding_output(client):
+    r = client.exec("yes", timeout=0.5, max_output_bytes=1000)
+    assert r["timed_out"] and r["truncated"] and r["stdout_bytes"] > 1000
+    assert r["stdout"].startswith("y\ny\n") and len(r["stdout"]) < 1100
+    assert client.exec("echo calm")["stdout"] == "calm\n"

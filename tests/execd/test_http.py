@@ -182,7 +182,7 @@ def test_malformed_framing_is_answered_not_crashed(daemon, request_bytes):
 
 
 @settings(
-    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 @given(
     name=st.text(max_size=20),

@@ -13,7 +13,7 @@ from execd.output import BoundedCapture
 from execd.validate import parse_json
 
 pytestmark = pytest.mark.unit
-PROPS = settings(max_examples=200, deadline=None)
+PROPS = settings(max_examples=100, deadline=None)
 
 line_text = st.text(
     st.characters(blacklist_categories=("Cs",), blacklist_characters="\r\n"), max_size=12
