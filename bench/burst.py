@@ -48,6 +48,7 @@ def main() -> int:
     parser.add_argument("--max-concurrent", type=int, default=256)
     parser.add_argument("--waiters", type=int, default=128)
     parser.add_argument("--extra-acquire-workers", type=int, default=0)
+    parser.add_argument("--extra-release-workers", type=int, default=0)
     parser.add_argument("--release-timeout", type=float, default=900)
     parser.add_argument("--keep-namespace", action="store_true")
     args = parser.parse_args()

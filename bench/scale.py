@@ -264,9 +264,11 @@ class Harness:
         self.extra: list[subprocess.Popen[bytes]] = []
         from broker.stack import child_env, worker_argv
 
-        for i in range(args.extra_acquire_workers):
-            log = (self.stack.logs / f"worker-acquire-extra{i}.log").open("ab")
-            argv = worker_argv(f"acq{i}", "acquire", 48)
+        extra = [("acquire", 48)] * args.extra_acquire_workers
+        extra += [("release", 32)] * getattr(args, "extra_release_workers", 0)
+        for i, (queue_name, threads) in enumerate(extra):
+            log = (self.stack.logs / f"worker-{queue_name}-extra{i}.log").open("ab")
+            argv = worker_argv(f"{queue_name}{i}", queue_name, threads, "WARNING")
             self.extra.append(
                 subprocess.Popen(
                     argv,
@@ -553,6 +555,7 @@ def main() -> int:
     parser.add_argument("--max-concurrent", type=int, default=256)
     parser.add_argument("--waiters", type=int, default=256)
     parser.add_argument("--extra-acquire-workers", type=int, default=0)
+    parser.add_argument("--extra-release-workers", type=int, default=0)
     parser.add_argument("--bare-n", type=int, default=1000)
     parser.add_argument("--release-timeout", type=float, default=1800)
     parser.add_argument("--keep-namespace", action="store_true")
