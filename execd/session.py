@@ -1,11 +1,12 @@
-"""One persistent bash process and the pump thread that drains its pipes.
+"""One persistent bash process, the calls run in it, and the reading of its pipes.
 
-The pump thread reads stdout, stderr and the control fd at all times, so a
-background job that prints between calls never blocks on a full pipe (its
-output is dropped then; during a call it is attributed to that call, as in a
-terminal). The request thread only writes the call line and waits on an
-event; completion is the control line "<id> <status>" or the death of bash,
-which the reaper reports through ``_on_exit``.
+A call writes the command file, sends bash one line and reads stdout, stderr
+and the control fd in the request thread until the control line
+"<id> <status>" arrives or the reaper reports bash's death (``_on_exit``).
+Between calls a pump thread drains the pipes so that background jobs never
+stay blocked on a full pipe (their output is dropped then; during a call it is
+attributed to that call, as in a terminal). On timeout the call's processes are
+killed and bash is unwound out of the command (see bashproto).
 """
 
 import contextlib
