@@ -2,6 +2,8 @@
 
 import shutil
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -13,6 +15,7 @@ from execd.output import BoundedCapture
 from execd.validate import parse_json
 
 pytestmark = pytest.mark.unit
+EXECD_DIR = Path(__file__).resolve().parents[2] / "execd"
 PROPS = settings(max_examples=100, deadline=None)
 
 line_text = st.text(
@@ -123,11 +126,12 @@ def test_parse_json_empty_is_empty_object():
 
 
 def test_execd_is_python38_compatible():
-    vermin = shutil.which("vermin") or shutil.which("vermin", path=".venv/bin")
+    beside = Path(sys.executable).parent / "vermin"  # the venv's, even if not on PATH
+    vermin = str(beside) if beside.exists() else shutil.which("vermin")
     if vermin is None:
         pytest.fail("vermin is not installed (it is in the dev extra)")
     res = subprocess.run(
-        [vermin, "-t=3.8-", "--no-tips", "--violations", "--eval-annotations", "execd"],
+        [vermin, "-t=3.8-", "--no-tips", "--violations", "--eval-annotations", str(EXECD_DIR)],
         check=False,
         capture_output=True,
         text=True,
