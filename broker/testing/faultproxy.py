@@ -12,11 +12,17 @@ Rule actions:
   reset_before     drop the connection without forwarding         (nothing stored)
   throttle         reply 429 with Retry-After, without forwarding
   delay            sleep ``seconds`` then forward
+
+``blackout(seconds)`` emulates an API server restart without restarting the real one
+(which every other test shares): every open connection (watch streams included) is cut,
+and for ``seconds`` every new request is dropped before it is forwarded, so clients see
+transport errors exactly as they would while the server is down.
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import http.client
 import random
 import re
@@ -82,6 +88,8 @@ class FaultProxy:
     rules: list[Rule] = field(default_factory=list)
     counts: dict[str, int] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _blackout_until: float = 0.0
+    _open: set[socket.socket] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self._rng = random.Random(self.seed)
@@ -92,6 +100,8 @@ class FaultProxy:
 
         self._server = ThreadingHTTPServer(("127.0.0.1", self.listen_port), Handler)
         self._server.daemon_threads = True
+        # Clients dropping connections is what this proxy is for: no tracebacks on stderr.
+        self._server.handle_error = lambda request, client_address: None  # type: ignore[method-assign]
         self.listen_port = self._server.server_address[1]
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
 
@@ -115,6 +125,20 @@ class FaultProxy:
     def clear(self) -> None:
         with self._lock:
             self.rules.clear()
+
+    def blackout(self, seconds: float) -> None:
+        """Cut every open connection and drop new ones for ``seconds`` ("API server down")."""
+        with self._lock:
+            self._blackout_until = max(self._blackout_until, time.monotonic() + seconds)
+            self.counts["blackout"] = self.counts.get("blackout", 0) + 1
+            victims = list(self._open)
+        for sock in victims:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+    @property
+    def blacked_out(self) -> bool:
+        return time.monotonic() < self._blackout_until
 
     def pick(self, method: str, path: str) -> Rule | None:
         with self._lock:
@@ -190,6 +214,17 @@ class _Handler(BaseHTTPRequestHandler):
             pass
 
     def _proxy(self) -> None:
+        if self.owner.blacked_out:
+            return self._drop()
+        with self.owner._lock:
+            self.owner._open.add(self.connection)
+        try:
+            self._forward()
+        finally:
+            with self.owner._lock:
+                self.owner._open.discard(self.connection)
+
+    def _forward(self) -> None:
         length = int(self.headers.get("Content-Length") or 0)
         body = self.rfile.read(length) if length else None
         rule = self.owner.pick(self.command, self.path)
