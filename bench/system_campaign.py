@@ -1,0 +1,73 @@
+"""System fault campaign: the whole stack under random faults while trainers churn sandboxes.
+
+    .venv/bin/python bench/system_campaign.py --duration 600 --trainers 6
+
+Needs the local cluster (deploy/localcluster/up.sh, or SANDMAN_TEST_KUBECONFIG). Starts its
+own PostgreSQL, Redis, workers and beat in a temporary state dir on free ports; see
+broker/testing/syscampaign.py for the faults and invariants. Exits 1 on any violation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from broker.testing.syscampaign import FAULT_KINDS, Config, run  # noqa: E402
+
+
+def kubeconfig() -> str:
+    path = os.environ.get("SANDMAN_TEST_KUBECONFIG")
+    if path:
+        return path
+    out = subprocess.run(
+        [str(REPO / "deploy/localcluster/up.sh")], capture_output=True, text=True, check=True
+    )
+    return out.stdout.strip().splitlines()[-1]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--duration", type=float, default=600.0, help="workload seconds (600)")
+    p.add_argument("--trainers", type=int, default=6)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--gap", type=float, nargs=2, default=(2.0, 5.0), help="seconds between faults")
+    p.add_argument("--kinds", default=",".join(FAULT_KINDS))
+    p.add_argument("--json", type=Path, help="also write the figures here")
+    p.add_argument("--keep", action="store_true", help="keep the state dir (logs) afterwards")
+    args = p.parse_args()
+    state = Path(tempfile.mkdtemp(prefix="sandman-syscampaign-"))
+    cfg = Config(
+        kubeconfig=kubeconfig(),
+        state_dir=state,
+        duration_s=args.duration,
+        trainers=args.trainers,
+        seed=args.seed,
+        fault_gap_s=tuple(args.gap),
+        kinds=tuple(k for k in args.kinds.split(",") if k),
+    )
+    t0 = time.monotonic()
+    result = run(
+        cfg,
+        progress=lambda s: print(f"[{time.monotonic() - t0:6.1f}s] {s}", file=sys.stderr),
+    )
+    print(result.summary())
+    print(f"logs: {state}" if args.keep or not result.ok else "")
+    if args.json:
+        args.json.write_text(result.to_json())
+    if result.ok and not args.keep:
+        import shutil
+
+        shutil.rmtree(state, ignore_errors=True)
+    return 0 if result.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
