@@ -1,0 +1,33 @@
+"""A short system fault campaign on the local cluster (the long one: bench/system_campaign.py).
+
+Own stack (embedded PostgreSQL and Redis on free ports, Celery workers and beat as
+subprocesses), trainers as subprocesses on kwok nodes, every fault kind injected at least
+once, and every invariant must read 0. See broker/testing/syscampaign.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from broker.testing.syscampaign import FAULT_KINDS, Config, run
+
+pytestmark = pytest.mark.cluster
+
+
+def test_short_system_campaign_keeps_every_invariant(kubeconfig_path: str, tmp_path: Path):
+    cfg = Config(
+        kubeconfig=kubeconfig_path,
+        state_dir=tmp_path / "campaign",
+        duration_s=55.0,
+        trainers=3,
+        seed=7,
+        fault_gap_s=(1.0, 2.5),
+    )
+    cfg.state_dir.mkdir()
+    result = run(cfg, progress=print)
+    print(result.summary())
+    assert result.ok, result.summary()
+    assert set(result.faults) == set(FAULT_KINDS), result.summary()
+    assert result.answers["lease"] > 0, result.summary()
