@@ -39,14 +39,17 @@ def quote(value: str) -> str:
 
 
 def _call_body(script_path: str) -> str:
+    """The per-call text; ``builtin`` everywhere so user functions named
+    ``source``, ``export`` or ``set`` cannot hijack the protocol."""
     return (
-        "__execd_busy=1; export {var}=$__execd_i; "
-        "source {path} </dev/null >&{out} 2>&{err} {out}>&- {err}>&- {ctl}>&-; "
+        "__execd_busy=1; builtin export {var}=$__execd_i; "
+        "builtin source {path} </dev/null >&{out} 2>&{err} {out}>&- {err}>&- {ctl}>&-; "
         "__execd_s=$?; __execd_busy=; "
         'builtin printf "$__execd_i %s\\n" "$__execd_s" >&{ctl}; '
-        "unset {var}; set +e; shopt -s expand_aliases; "
-        "[[ -n ${{__execd_abort-}} ]] && {{ trap - DEBUG; set +T; __execd_abort=; }}; "
-        'alias __execd="$__execd_alias"'
+        "builtin unset {var}; builtin set +e; builtin shopt -s expand_aliases; "
+        "[[ -n ${{__execd_abort-}} ]] && "
+        "{{ builtin trap - DEBUG; builtin set +T; __execd_abort=; }}; "
+        'builtin alias __execd="$__execd_alias"'
     ).format(var=CALL_VAR, path=quote(script_path), out=OUT_FD, err=ERR_FD, ctl=CTL_FD)
 
 

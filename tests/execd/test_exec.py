@@ -131,12 +131,26 @@ def test_set_e_alone_does_not_leak_into_next_call(client):
         "exec 1>&- 2>&-",
         "exec </dev/zero",
         "exec 251>&- 252>&- 253>&-",
+        "shopt -u expand_aliases",
+        "unalias -a",
+        "source() { echo hijacked; }; export() { :; }; set() { :; }",
+        "set -u; IFS=x",
     ],
 )
 def test_exec_redirections_do_not_break_session(client, poison):
     client.exec(poison + "; echo hidden")
     r = client.exec("echo visible; echo err >&2")
+    client.exec("unset -f source export set; set +u; IFS=$' \\t\\n'")
     assert (r["stdout"], r["stderr"], r["session_restarted"]) == ("visible\n", "err\n", False)
+
+
+def test_xtrace_shows_only_the_users_commands(client):
+    client.exec("set -x")
+    r = client.exec("echo traced")
+    client.exec("set +x")
+    # One trace line (bash marks the sourced level as "++"), none of execd's own.
+    assert r["stdout"] == "traced\n"
+    assert r["stderr"].splitlines() == ["++ echo traced"]
 
 
 def test_heredoc_and_multiline(client):
