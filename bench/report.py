@@ -415,6 +415,30 @@ def phase_report(args: argparse.Namespace) -> None:
             "",
         ]
         figures["replay"] = replay
+        from broker.replay import Policy, read_trace, simulate
+
+        trace = read_trace(replay["trace"])
+        base = Policy(**{**replay["policy"], "warm": dict(replay["policy"]["warm"])})
+        md += [
+            "Simulator-only sweep on the same trace (what an operator would do next):",
+            "",
+            "| policy | hit rate | wait mean | creates | idle pod-h | total pod-h |",
+            "|---|---|---|---|---|---|",
+        ]
+        sweep = {}
+        variants = [("as measured", {}), ("no pool", {"warm": {}})]
+        variants += [(f"idle {t:g}s", {"idle_timeout_s": t}) for t in (5, 60, 300)]
+        variants += [("idle 5s, refill=demand", {"idle_timeout_s": 5, "refill": "demand"})]
+        variants += [("reuse on", {"reuse": True})]
+        for label, change in variants:
+            r = simulate(trace, Policy(**{**base.__dict__, **change})).to_dict()
+            sweep[label] = r
+            md.append(
+                f"| {label} | {r['hit_rate']:.3f} | {_s(r['wait_mean_s'])} | {r['creates']} | "
+                f"{r['idle_pod_hours']:.4f} | {r['total_pod_hours']:.4f} |"
+            )
+        md.append("")
+        figures["replay_sweep"] = sweep
     if execd:
         e, r, w = execd["execd"], execd["raw_pipe"], execd["swerex"]
         md += [
