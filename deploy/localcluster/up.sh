@@ -239,7 +239,8 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
   sandbox_image = "$PAUSE_IMAGE"
   enable_selinux = false
   disable_apparmor = true
-  restrict_oom_score_adj = false
+  # this VM lacks CAP_SYS_RESOURCE: negative oom_score_adj (pause: -998) would fail in runc
+  restrict_oom_score_adj = true
   max_container_log_line_size = 65536
   [plugins."io.containerd.grpc.v1.cri".containerd]
     snapshotter = "overlayfs"
@@ -267,7 +268,7 @@ while IFS=$'\t' read -r ref tarball; do
   marker="$STATE/run/imported-$(basename "$tarball")"
   if grep -qx "$ref" <<<"$present" && [[ -e "$marker" ]]; then continue; fi
   log "importing $ref"
-  "${CTR[@]}" images import --no-unpack=false --snapshotter overlayfs "$tarball" >/dev/null
+  "${CTR[@]}" images import --snapshotter overlayfs "$tarball" >/dev/null
   touch "$marker"
 done < "$IMAGES_CACHE/index.tsv"
 

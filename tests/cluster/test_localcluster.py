@@ -14,6 +14,7 @@ from collections import Counter
 from typing import Any
 
 import pytest
+from kubernetes.utils import parse_quantity
 
 from tests.cluster.conftest import (
     KWOK_NODE_SELECTOR,
@@ -66,7 +67,7 @@ def test_nodes_ready(core_v1: Any) -> None:
         assert n.metadata.labels["kubernetes.io/hostname"] == n.metadata.name
         taints = {(t.key, t.value, t.effect) for t in n.spec.taints or []}
         assert ("kwok.x-k8s.io/node", "fake", "NoSchedule") in taints
-        assert int(n.status.allocatable["pods"]) >= 1000
+        assert parse_quantity(n.status.allocatable["pods"]) >= 1000
 
     assert len(real) >= 1, "no node labelled sandman.io/node-kind=real"
     node = real[0]
