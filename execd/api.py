@@ -16,6 +16,7 @@ from .server import Request, Response
 from .shell import Shell
 
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
+WRITE = "/v1/files/write"
 
 
 class App:
@@ -49,8 +50,14 @@ class App:
             raise errors.NotFound("no route %s" % req.path, "unknown_route")
         if req.method != route[0]:
             raise errors.MethodNotAllowed("%s takes %s, not %s" % (req.path, route[0], req.method))
-        doc = validate.parse_json(read_body(req, self.max_body))
-        req.body = b""  # read and parsed: let a large upload's raw bytes go now
+        body = read_body(req, self.max_body)
+        req.body = b""  # the raw bytes live on only as long as this request needs them
+        split = validate.split_big_string(body, "content_b64") if req.path == WRITE else None
+        if split is not None:
+            doc, doc["content_b64"] = split
+        else:
+            doc = validate.parse_json(body)
+        del body
         result = route[1](doc)
         return result if isinstance(result, Response) else Response(200, result)
 
@@ -94,7 +101,9 @@ class App:
 
     def write(self, doc) -> dict:
         path = validate.abs_path(doc)
-        text = validate.string(doc, "content_b64", text=False)
+        text = doc.get("content_b64")
+        if not isinstance(text, memoryview):  # not already split out of a big body
+            text = validate.string(doc, "content_b64", text=False)
         mode = validate.integer(doc, "mode", None, 0, 0o7777)
         return files.write_atomic(path, files.b64_pieces(text), mode, self.umask)
 

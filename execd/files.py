@@ -117,7 +117,7 @@ def _stream(fd: int, size: int, head: bytes) -> Iterator[bytes]:
 B64_PIECE = 4 * 1024 * 1024  # characters, a multiple of 4
 
 
-def b64_pieces(text: str) -> Iterator[bytes]:
+def b64_pieces(text: Union[str, memoryview]) -> Iterator[bytes]:
     """Decode base64 in pieces straight into the file: a 100 MiB upload never
     exists decoded in memory next to its encoded form and an ASCII copy."""
     if len(text) % 4:
@@ -125,12 +125,13 @@ def b64_pieces(text: str) -> Iterator[bytes]:
             "field 'content_b64' is not valid base64 (length)", "invalid_base64"
         )
     for at in range(0, len(text), B64_PIECE):
-        piece = text[at : at + B64_PIECE]
+        chunk = text[at : at + B64_PIECE]
         last = at + B64_PIECE >= len(text)
         try:
-            if not last and "=" in piece:
+            piece = chunk.encode("ascii") if isinstance(chunk, str) else bytes(chunk)
+            if not last and b"=" in piece:
                 raise ValueError("padding before the end")
-            yield base64.b64decode(piece.encode("ascii"), validate=True)
+            yield base64.b64decode(piece, validate=True)
         except (ValueError, UnicodeEncodeError):  # binascii.Error is a ValueError
             raise errors.BadRequest(
                 "field 'content_b64' is not valid base64", "invalid_base64"

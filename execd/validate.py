@@ -2,7 +2,7 @@
 
 import json
 import math
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 from .errors import BadRequest
 
@@ -21,6 +21,45 @@ def parse_json(body: bytes) -> Dict[str, Any]:
     if not isinstance(doc, dict):
         raise BadRequest("body must be a JSON object", "invalid_json")
     return doc
+
+
+BIG_BODY = 1 << 20
+_SPACE = b" \t\r\n"
+
+
+def split_big_string(body: bytes, name: str) -> Optional[Tuple[Dict[str, Any], memoryview]]:
+    """Parse a large body without decoding its one huge string field.
+
+    ``json.loads`` would hold the raw body, its decoded text and the field's
+    value at once (four times a 100 MiB upload). When ``name`` is a top-level
+    key whose value has no escapes, the rest of the document is parsed alone
+    and the value is returned as a view into the body. Anything unusual
+    returns None, and the caller parses normally.
+    """
+    if len(body) < BIG_BODY:
+        return None
+    key = b'"' + name.encode() + b'"'
+    at = body.find(key)
+    if at < 0 or body.find(key, at + 1) >= 0:
+        return None
+    i, n = at + len(key), len(body)
+    while i < n and body[i] in _SPACE:
+        i += 1
+    if i >= n or body[i] != ord(":"):
+        return None
+    i += 1
+    while i < n and body[i] in _SPACE:
+        i += 1
+    if i >= n or body[i] != ord('"'):
+        return None
+    start = i + 1
+    end = body.find(b'"', start)
+    if end < 0 or body.find(b"\\", start, end) >= 0:
+        return None
+    doc = parse_json(body[:start] + body[end:])
+    if doc.get(name) != "":  # the key sat somewhere else than the top level
+        return None
+    return doc, memoryview(body)[start:end]
 
 
 def _get(doc: Dict[str, Any], name: str, default: Any) -> Any:

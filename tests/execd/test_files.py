@@ -2,6 +2,7 @@
 
 import base64
 import hashlib
+import json
 import os
 import stat
 
@@ -204,3 +205,36 @@ def occurrences_of(text, needle):
     from execd.edit import occurrences
 
     return occurrences(text, needle)
+
+
+def _big_write(client, body: bytes):
+    return client.request("POST", "/v1/files/write", body)
+
+
+@pytest.mark.parametrize("variant", ["plain", "escaped_slash", "nested_decoy", "duplicate"])
+def test_big_upload_parsing_variants(client, tmp_path, variant):
+    data = os.urandom(900_000) + b"\xff\xfe/" * 1000
+    b64 = base64.b64encode(data).decode()
+    path = json.dumps(str(tmp_path / f"{variant}.bin"))
+    if variant == "plain":
+        body = f'{{"path": {path}, "content_b64" : "{b64}"}}'
+    elif variant == "escaped_slash":  # JSON allows "\/": must still decode right
+        body = '{{"path": {}, "content_b64": "{}"}}'.format(path, b64.replace("/", "\\/"))
+    elif variant == "nested_decoy":
+        body = f'{{"meta": {{"content_b64": "x"}}, "path": {path}, "content_b64": "{b64}"}}'
+    else:  # JSON: the last duplicate wins
+        body = f'{{"path": {path}, "content_b64": "AAAA", "content_b64": "{b64}"}}'
+    status, doc = _big_write(client, body.encode())
+    assert status == 200, doc
+    assert (tmp_path / f"{variant}.bin").read_bytes() == data
+
+
+@pytest.mark.parametrize("bad", ["!" * 4, "====", "\u00e9" * 4])
+def test_big_upload_with_bad_base64_is_400_and_leaves_nothing(client, tmp_path, bad):
+    b64 = base64.b64encode(os.urandom(3_000_000)).decode()
+    b64 = b64[:4_000_000] + bad + b64[4_000_000 + len(bad) :]
+    target = tmp_path / "bad.bin"
+    body = json.dumps({"path": str(target), "content_b64": b64}).encode()
+    status, doc = _big_write(client, body)
+    assert status == 400 and doc["error"]["code"] == "invalid_base64"
+    assert not target.exists() and list(tmp_path.iterdir()) == []
