@@ -67,6 +67,7 @@ class CampaignResult:
     pods_created: int = 0
     answered: int = 0
     answers: Counter[str] = field(default_factory=Counter)
+    errors: Counter[str] = field(default_factory=Counter)
     kills: Counter[str] = field(default_factory=Counter)
     proxy_faults: dict[str, int] = field(default_factory=dict)
     unowned_after_gc: int = 0
@@ -81,9 +82,14 @@ class CampaignResult:
         return self.trials - self.answered
 
     @property
+    def crashes(self) -> int:
+        return self.answers.get("crash", 0)
+
+    @property
     def ok(self) -> bool:
         return not (
             self.unanswered
+            or self.crashes
             or self.unowned_after_gc
             or self.dangling_after_gc
             or self.sentinels_deleted
@@ -96,6 +102,7 @@ class CampaignResult:
                 f"trials:                          {self.trials}",
                 f"pods created:                    {self.pods_created}",
                 f"answers:                         {dict(self.answers)}",
+                f"typed errors returned:           {dict(self.errors)}",
                 f"worker kills by failpoint:       {dict(self.kills)}",
                 f"API faults injected by kind:     {self.proxy_faults}",
                 f"unowned pods after one GC pass:  {self.unowned_after_gc}",
@@ -103,6 +110,7 @@ class CampaignResult:
                 f"our pods left after teardown:    {self.pods_left}",
                 f"sentinel pods deleted:           {self.sentinels_deleted}",
                 f"requests without an answer:      {self.unanswered}",
+                f"untyped crashes in a trial:      {self.crashes}",
                 f"wall time: {self.duration_s:.1f}s  (final GC pass {self.gc_duration_s:.2f}s)",
                 "RESULT: " + ("OK" if self.ok else "INVARIANT VIOLATED"),
             ]
@@ -145,6 +153,8 @@ def _trial_child(
         out.send(answer)
     except SandmanError as exc:
         out.send(f"error:{type(exc).__name__}")
+    except Exception as exc:  # an untyped failure is a bug: counted as a crash
+        out.send(f"crash:{type(exc).__name__}: {exc}")
     finally:
         engine.dispose()
 
@@ -164,7 +174,12 @@ def _run_trial(
     )
     proc.start()
     send.close()
-    answer = recv.recv() if recv.poll(timeout_s) else None
+    answer: str | None = None
+    if recv.poll(timeout_s):
+        try:
+            answer = recv.recv()
+        except EOFError:  # the child died (SIGKILL at its failpoint) before answering
+            answer = None
     proc.join(5)
     if proc.is_alive():
         proc.kill()
@@ -212,90 +227,104 @@ def run_campaign(
             readiness_budget_s=20.0,
             lease_s=120.0,
         )
-    sentinel_names = _plant_sentinels(admin, namespace, installation, sentinels)
-    for rule in PROXY_FAULTS:
-        proxy.add(Rule(**{**rule.__dict__, "hits": 0}))
-    ctx = multiprocessing.get_context("fork")
-    engine.dispose()  # no pooled connection crosses a fork
-    from concurrent.futures import ThreadPoolExecutor
+    sentinel_names: list[str] = []
+    try:
+        sentinel_names[:] = _plant_sentinels(admin, namespace, installation, sentinels)
+        for rule in PROXY_FAULTS:
+            proxy.add(Rule(**{**rule.__dict__, "hits": 0}))
+        ctx = multiprocessing.get_context("fork")
+        engine.dispose()  # no pooled connection crosses a fork
+        from concurrent.futures import ThreadPoolExecutor
 
-    planned = [rng.choice(FAILPOINTS) if rng.random() < 0.3 else None for _ in range(trials)]
+        planned = [rng.choice(FAILPOINTS) if rng.random() < 0.3 else None for _ in range(trials)]
 
-    def one(i: int) -> tuple[str | None, list[str]]:
-        failpoint = planned[i]
-        kills: list[str] = []
-        request_id = f"trial-{i}"
-        for _attempt in range(4):
-            answer, killed = _run_trial(
-                ctx,
-                settings=settings,
-                database_url=database_url,
-                request_id=request_id,
-                failpoint=failpoint,
-                timeout_s=90,
+        def one(i: int) -> tuple[str | None, list[str]]:
+            failpoint = planned[i]
+            kills: list[str] = []
+            request_id = f"trial-{i}"
+            for _attempt in range(4):
+                answer, killed = _run_trial(
+                    ctx,
+                    settings=settings,
+                    database_url=database_url,
+                    request_id=request_id,
+                    failpoint=failpoint,
+                    timeout_s=90,
+                )
+                if killed and failpoint:
+                    kills.append(failpoint)
+                if answer is not None:
+                    return answer, kills
+                failpoint = None  # redelivery runs to completion
+            return None, kills
+
+        done = 0
+        with ThreadPoolExecutor(max_workers=concurrency) as pool:
+            for answer, kills in pool.map(one, range(trials)):
+                done += 1
+                result.trials += 1
+                result.kills.update(kills)
+                if answer is not None:
+                    result.answered += 1
+                    result.answers[answer.split(":")[0]] += 1
+                    if answer.startswith(("error", "crash")):
+                        result.errors[answer] += 1
+                if progress:
+                    progress(done, trials)
+        proxy.clear()
+        result.proxy_faults = dict(proxy.counts)
+        time.sleep(settings.create_lease_margin_s + 1)
+        gc_provider = Provider(settings, sessions, KubeBackend.from_settings(settings), actor="gc")
+        report = run_gc(gc_provider)
+        result.gc_duration_s = report.duration_s
+        after = run_gc(gc_provider, dry_run=True)
+        result.unowned_after_gc = len([p for p in after.unowned_pods if p not in sentinel_names])
+        result.dangling_after_gc = len(after.dangling_rows) + sum(
+            1 for a in after.actions if a["why"] != "idle"
+        )
+        backend = KubeBackend(admin, installation=installation)
+        result.pods_left = len(
+            [
+                p
+                for p in backend.list_installation(namespace, installation)
+                if p.name not in sentinel_names
+            ]
+        )
+        present = {p.name for p in backend.list_all_labelled(namespace)}
+        result.sentinels_deleted = sum(1 for n in sentinel_names if n not in present)
+        with sessions() as s:
+            result.pods_created = int(
+                s.scalar(
+                    select(func.count(func.distinct(Event.pod_name))).where(
+                        Event.sandbox_id.in_(
+                            select(Sandbox.id).where(Sandbox.installation == installation)
+                        ),
+                        Event.kind == "api",
+                        Event.action.in_(["create", "adopt"]),
+                        Event.outcome.in_(["created", "nonce-match"]),
+                    )
+                )
+                or 0
             )
-            if killed and failpoint:
-                kills.append(failpoint)
-            if answer is not None:
-                return answer, kills
-            failpoint = None  # redelivery runs to completion
-        return None, kills
-
-    done = 0
-    with ThreadPoolExecutor(max_workers=concurrency) as pool:
-        for answer, kills in pool.map(one, range(trials)):
-            done += 1
-            result.trials += 1
-            result.kills.update(kills)
-            if answer is not None:
-                result.answered += 1
-                result.answers[answer.split(":")[0]] += 1
-            if progress:
-                progress(done, trials)
-    proxy.clear()
-    result.proxy_faults = dict(proxy.counts)
-    time.sleep(settings.create_lease_margin_s + 1)
-    gc_provider = Provider(settings, sessions, KubeBackend.from_settings(settings), actor="gc")
-    report = run_gc(gc_provider)
-    result.gc_duration_s = report.duration_s
-    after = run_gc(gc_provider, dry_run=True)
-    result.unowned_after_gc = len(after.unowned_pods)
-    result.dangling_after_gc = len(after.dangling_rows) + sum(
-        1 for a in after.actions if a["why"] != "idle"
-    )
-    backend = KubeBackend(admin, installation=installation)
-    result.pods_left = len(backend.list_installation(namespace, installation))
-    present = {p.name for p in backend.list_all_labelled(namespace)}
-    result.sentinels_deleted = sum(1 for n in sentinel_names if n not in present)
-    with sessions() as s:
-        result.pods_created = int(
-            s.scalar(
-                select(func.count(func.distinct(Event.pod_name))).where(
-                    Event.kind == "api",
-                    Event.action.in_(["create", "adopt"]),
-                    Event.outcome.in_(["created", "nonce-match"]),
+            live = s.scalar(
+                select(func.count())
+                .select_from(Sandbox)
+                .where(
+                    Sandbox.installation == installation,
+                    Sandbox.state != State.DELETED,
+                    Sandbox.state != State.FAILED,
                 )
             )
-            or 0
-        )
-        live = s.scalar(
-            select(func.count())
-            .select_from(Sandbox)
-            .where(
-                Sandbox.installation == installation,
-                Sandbox.state != State.DELETED,
-                Sandbox.state != State.FAILED,
-            )
-        )
-        result.dangling_after_gc += int(live or 0)
-    for name in sentinel_names:
-        from contextlib import suppress
+            result.dangling_after_gc += int(live or 0)
+        for name in sentinel_names:
+            from contextlib import suppress
 
-        with suppress(SandmanError):
-            admin.delete_pod(namespace, name, uid=None)
-    proxy.stop()
-    engine.dispose()
-    admin.delete_namespace(namespace)
+            with suppress(SandmanError):
+                admin.delete_pod(namespace, name, uid=None)
+    finally:
+        proxy.stop()
+        engine.dispose()
+        admin.delete_namespace(namespace)
     result.duration_s = time.monotonic() - started
     return result
 
