@@ -15,10 +15,10 @@ from broker.provider_api import AcquireSpec
 _IMAGE = re.compile(
     r"^(?:[a-z0-9]+(?:[._-][a-z0-9]+)*(?::[0-9]+)?/)?"
     r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*"
-    r"(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?(?:@sha256:[a-f0-9]{64})?$"
+    r"(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?(?:@sha256:[a-f0-9]{64})?\Z"
 )
-_DIGEST = re.compile(r"^sha256:[a-f0-9]{64}$")
-_REQUEST_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
+_DIGEST = re.compile(r"^sha256:[a-f0-9]{64}\Z")
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,128}\Z")
 MIN_CPU_M, MAX_CPU_M = 10, 64_000
 MIN_MEMORY_B, MAX_MEMORY_B = 16 << 20, 512 << 30
 _CPU = re.compile(r"^(?:(\d+)m|(\d+(?:\.\d{1,3})?))$")
