@@ -13,9 +13,9 @@ import threading
 import time
 from typing import Dict, Optional, Tuple
 
-from . import proc
+from . import errors, proc
 from .reaper import Reaper
-from .session import Call, Session
+from .session import Call, Session, SessionError
 
 log = logging.getLogger("execd.shell")
 
@@ -44,7 +44,10 @@ class Shell:
             # One path for every session (they never overlap): the session's
             # shape (its alias text) must not differ after a restart.
             script = os.path.join(self.runtime_dir, "command")
-            session = Session(self.bash, self.workdir, self.env, script, self.reaper)
+            try:
+                session = Session(self.bash, self.workdir, self.env, script, self.reaper)
+            except (SessionError, OSError) as exc:  # e.g. out of pids or memory
+                raise errors.Unavailable("cannot start bash: %s" % exc, "session_failed") from None
             self.session = session
             restarted = self._restart_pending
             if restarted:
