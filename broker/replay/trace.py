@@ -82,9 +82,7 @@ def write_trace(events: Iterable[TraceEvent], out: IO[str]) -> int:
     return count
 
 
-def rows_to_events(
-    rows: Iterable[Any], now: dt.datetime | None = None
-) -> Iterator[TraceEvent]:
+def rows_to_events(rows: Iterable[Any], now: dt.datetime | None = None) -> Iterator[TraceEvent]:
     """(job, image, role, enqueued_at, requested_at, acquired_at, releasing_at, deleted_at)
     tuples to events: only rows a trainer was handed. Still-held sandboxes end at ``now``."""
     for job, image, role, enqueued, requested, acquired, releasing, deleted in rows:
