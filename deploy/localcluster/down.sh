@@ -54,18 +54,25 @@ stop etcd 30
 
 # 4. leftovers of our own containers: shims whose cmdline names our containerd socket/state
 for p in $(pgrep -f containerd-shim-runc-v2 || true); do
-  if tr '\0' ' ' < /proc/$p/cmdline 2>/dev/null | grep -q -- "$CTRD_SOCK"; then
+  cmdline="$(tr '\0' ' ' < "/proc/$p/cmdline" 2>/dev/null || true)"
+  if [[ "$cmdline" == *"$CTRD_SOCK"* ]]; then
     log "killing leftover shim $p"; kill -KILL "$p" 2>/dev/null || true
   fi
 done
 # mounts under our state dir (container rootfs, pod volumes), deepest first
-grep -o " $STATE/[^ ]*" /proc/self/mounts 2>/dev/null | sort -r | while read -r m; do
+mounts="$(grep -o " $STATE/[^ ]*" /proc/self/mounts 2>/dev/null || true)"
+for m in $(sort -r <<<"$mounts"); do
   umount -l "$m" 2>/dev/null || true
 done
 
 if [[ $PURGE = 1 ]]; then
   log "purging $STATE"
   ip link del "$BRIDGE_NAME" 2>/dev/null || true
+  if [[ "$CGROUP_ROOT" != "/" ]]; then   # only our own cgroup root, deepest first, only if empty
+    for h in /sys/fs/cgroup/*/; do
+      [[ -d "$h${CGROUP_ROOT#/}" ]] && find "$h${CGROUP_ROOT#/}" -depth -type d -exec rmdir {} \; 2>/dev/null || true
+    done
+  fi
   rm -rf "$STATE"
 fi
 log "cluster stopped"

@@ -23,18 +23,25 @@ IMAGES_CACHE="$CACHE_DIR/images"
 KUBECONFIG_PATH="$STATE/kubeconfig"
 
 # ---- network ----
-APISERVER_PORT="${SANDMAN_APISERVER_PORT:-16443}"
-ETCD_CLIENT_PORT=12379
-ETCD_PEER_PORT=12380
-KCM_PORT=16257        # kube-controller-manager secure port
-SCHED_PORT=16259      # kube-scheduler secure port
-KUBELET_PORT=16250    # real kubelet API
-KUBELET_HEALTHZ_PORT=16248
-KWOK_PORT=16280       # kwok metrics/healthz
-BRIDGE_NAME=sandman0
-POD_CIDR=10.244.0.0/24
-BRIDGE_IP=10.244.0.1
+# SANDMAN_PORT_OFFSET, SANDMAN_BRIDGE and SANDMAN_POD_NET allow a second, independent
+# instance next to the default one (used to test down/up without disturbing users).
+PORT_OFFSET="${SANDMAN_PORT_OFFSET:-0}"
+APISERVER_PORT="${SANDMAN_APISERVER_PORT:-$((16443 + PORT_OFFSET))}"
+ETCD_CLIENT_PORT=$((12379 + PORT_OFFSET))
+ETCD_PEER_PORT=$((12380 + PORT_OFFSET))
+KCM_PORT=$((16257 + PORT_OFFSET))             # kube-controller-manager secure port
+SCHED_PORT=$((16259 + PORT_OFFSET))           # kube-scheduler secure port
+KUBELET_PORT=$((16250 + PORT_OFFSET))         # real kubelet API
+KUBELET_HEALTHZ_PORT=$((16248 + PORT_OFFSET))
+KWOK_PORT=$((16280 + PORT_OFFSET))            # kwok metrics/healthz
+BRIDGE_NAME="${SANDMAN_BRIDGE:-sandman0}"
+POD_NET="${SANDMAN_POD_NET:-10.244.0}"        # first three octets of the real node's /24
+POD_CIDR="$POD_NET.0/24"
+BRIDGE_IP="$POD_NET.1"
 SERVICE_CIDR=10.96.0.0/16
+# kubelet cgroupRoot: give a second instance its own, or its kubelet would garbage
+# collect the first one's pod cgroups under /kubepods
+CGROUP_ROOT="${SANDMAN_CGROUP_ROOT:-/}"
 REAL_NODE_NAME="${SANDMAN_REAL_NODE_NAME:-sandman-real-0}"
 KWOK_NODE_COUNT="${SANDMAN_KWOK_NODES:-16}"
 KWOK_NODE_PODS="${SANDMAN_KWOK_NODE_PODS:-1000}"

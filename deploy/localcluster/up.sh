@@ -74,7 +74,8 @@ if ! ip link show "$BRIDGE_NAME" >/dev/null 2>&1; then
   log "creating bridge $BRIDGE_NAME ($BRIDGE_IP/24)"
   ip link add "$BRIDGE_NAME" type bridge
 fi
-ip addr show dev "$BRIDGE_NAME" | grep -q "inet $BRIDGE_IP/" || ip addr add "$BRIDGE_IP/24" dev "$BRIDGE_NAME"
+addrs="$(ip -4 addr show dev "$BRIDGE_NAME")"   # no pipe into grep -q: SIGPIPE + pipefail
+[[ "$addrs" == *"inet $BRIDGE_IP/"* ]] || ip addr add "$BRIDGE_IP/24" dev "$BRIDGE_NAME"
 ip link set "$BRIDGE_NAME" up
 
 # ---------------------------------------------------------------- etcd
@@ -125,7 +126,7 @@ start kube-controller-manager "$K8S_BIN/kube-controller-manager" \
   --kube-api-qps 400 --kube-api-burst 800 \
   --concurrent-gc-syncs 50 --concurrent-namespace-syncs 20 \
   --concurrent-serviceaccount-token-syncs 10 \
-  --controllers '*,-nodeipam,-service-lb-controller,-cloud-node-lifecycle-controller,-route-controller' \
+  --controllers '*,-nodeipam' \
   --profiling=false --v 1
 
 cat > "$STATE/scheduler-config.yaml" <<YAML
@@ -185,7 +186,12 @@ if [[ $missing = 1 ]]; then
   log "creating kwok nodes"
   kc create -f "$nodes_yaml" 2>&1 | grep -v AlreadyExists >&2 || true
 fi
+# capacity lives in status (which a create ignores): patch nodes that do not have it yet
+have="$(kc get nodes -l type=kwok -o jsonpath='{range .items[*]}{.metadata.name}={.status.capacity.pods}{"\n"}{end}')"
 for ((i = 0; i < KWOK_NODE_COUNT; i++)); do
+  cur="$(sed -n "s/^kwok-node-$i=//p" <<<"$have")"
+  case "$cur" in *k) cur=$(( ${cur%k} * 1000 ));; *M) cur=$(( ${cur%M} * 1000000 ));; esac
+  [[ "$cur" == "$KWOK_NODE_PODS" ]] && continue
   kc patch node "kwok-node-$i" --subresource=status --type=merge -p \
     "{\"status\":{\"capacity\":{\"cpu\":\"64\",\"memory\":\"256Gi\",\"pods\":\"$KWOK_NODE_PODS\",\"ephemeral-storage\":\"1Ti\"},\"allocatable\":{\"cpu\":\"64\",\"memory\":\"256Gi\",\"pods\":\"$KWOK_NODE_PODS\",\"ephemeral-storage\":\"1Ti\"}}}" >/dev/null
 done
@@ -274,6 +280,16 @@ done < "$IMAGES_CACHE/index.tsv"
 
 # ---------------------------------------------------------------- kubelet (real node)
 mkdir -p "$STATE/kubelet"
+if [[ "$CGROUP_ROOT" != "/" ]]; then   # kubelet wants cgroupRoot to exist in every hierarchy
+  for h in /sys/fs/cgroup/*/; do
+    [[ -d "$h${CGROUP_ROOT#/}" ]] && continue
+    mkdir -p "$h${CGROUP_ROOT#/}"
+    if [[ -e "$h/cpuset.cpus" ]]; then   # cgroup v1 cpuset children start empty
+      cat "$h/cpuset.cpus" > "$h${CGROUP_ROOT#/}/cpuset.cpus"
+      cat "$h/cpuset.mems" > "$h${CGROUP_ROOT#/}/cpuset.mems"
+    fi
+  done
+fi
 cat > "$STATE/kubelet-config.yaml" <<YAML
 apiVersion: kubelet.config.k8s.io/v1beta1
 kind: KubeletConfiguration
@@ -291,6 +307,7 @@ tlsCertFile: $PKI/kubelet-serving.crt
 tlsPrivateKeyFile: $PKI/kubelet-serving.key
 containerRuntimeEndpoint: unix://$CTRD_SOCK
 cgroupDriver: cgroupfs
+cgroupRoot: $CGROUP_ROOT
 failCgroupV1: false
 failSwapOn: false
 clusterDomain: cluster.local
