@@ -38,8 +38,12 @@ def read_stat(pid: int) -> Optional[ProcInfo]:
 
 
 def proc_table() -> Dict[int, ProcInfo]:
-    table = {}
-    for name in os.listdir("/proc"):
+    table: Dict[int, ProcInfo] = {}
+    try:
+        names = os.listdir("/proc")
+    except OSError:  # no /proc (a bare bubblewrap): callers fall back to process groups
+        return table
+    for name in names:
         if name.isdigit():
             info = read_stat(int(name))
             if info is not None:

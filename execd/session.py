@@ -220,7 +220,10 @@ class Session:
         """Kill bash and everything below it; returns how many processes."""
         if self.dead:
             return 0
-        return proc.kill_tree(lambda t: proc.descendants(t, [self.pid]) | {self.pid} & set(t))
+        count = proc.kill_tree(lambda t: proc.descendants(t, [self.pid]) | {self.pid} & set(t))
+        with contextlib.suppress(OSError):  # also works without /proc: bash leads its group
+            os.killpg(self.pid, signal.SIGKILL)
+        return count
 
     def close(self) -> None:
         """Release the pipes once bash is dead (the pump has stopped reading)."""
