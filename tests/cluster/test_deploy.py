@@ -187,6 +187,9 @@ def test_rendered_pods_follow_the_paper_and_security_rules(kubectl: Any) -> None
             assert pod.get("enableServiceLinks") is False, where
             assert pod["securityContext"]["runAsNonRoot"] is True, where
             for c in pod["containers"]:
+                if overlay != "prod" and "sandman-broker" in c["image"]:
+                    # what deploy/broker-image/build.sh and deploy/kind/up.sh produce
+                    assert c["image"] == "localhost/sandman-broker:dev", where
                 res = c["resources"]
                 assert res["limits"]["memory"] == res["requests"]["memory"], where
                 assert c["securityContext"]["allowPrivilegeEscalation"] is False, where
