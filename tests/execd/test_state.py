@@ -5,8 +5,6 @@ import time
 
 import pytest
 
-from execd import sessionstate
-
 pytestmark = pytest.mark.integration
 
 
@@ -159,19 +157,3 @@ def test_baseline_and_check_are_fast(ws):
     started = time.monotonic()
     assert c.post("/v1/state-check")["clean"] is True
     assert time.monotonic() - started < 3
-
-
-@pytest.mark.unit
-def test_parse_declare_keeps_bash_quoting():
-    text = (
-        'declare -x A="1"\ndeclare -x B="multi\nline \\"q\\" \\$x \\\\ \\`"\n'
-        "declare -x C=$'a\\nb\\'c\\377'\n"
-        'declare -x EMPTY=""\ndeclare -x NOVAL\ndeclare -rx RO="r"\n'
-    )
-    assert sessionstate.parse_declare(text) == {
-        "A": '"1"',
-        "B": '"multi\nline \\"q\\" \\$x \\\\ \\`"',
-        "C": "$'a\\nb\\'c\\377'",
-        "EMPTY": '""',
-        "RO": '"r"',
-    }

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from execd import bashproto, errors
+from execd import bashproto, errors, sessionstate
 from execd.edit import apply_edit, occurrences
 from execd.output import BoundedCapture
 from execd.validate import parse_json
@@ -137,3 +137,18 @@ def test_execd_is_python38_compatible():
         text=True,
     )
     assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_parse_declare_keeps_bash_quoting():
+    text = (
+        'declare -x A="1"\ndeclare -x B="multi\nline \\"q\\" \\$x \\\\ \\`"\n'
+        "declare -x C=$'a\\nb\\'c\\377'\n"
+        'declare -x EMPTY=""\ndeclare -x NOVAL\ndeclare -rx RO="r"\n'
+    )
+    assert sessionstate.parse_declare(text) == {
+        "A": '"1"',
+        "B": '"multi\nline \\"q\\" \\$x \\\\ \\`"',
+        "C": "$'a\\nb\\'c\\377'",
+        "EMPTY": '""',
+        "RO": '"r"',
+    }
