@@ -6,7 +6,8 @@ the fault proxy in front of the local cluster's API server, and trainer subproce
 loop acquire -> hold -> release on kwok nodes (simulated readiness: kwok pods have no
 containers, so the "rollout" is a hold of random length, not execd calls).
 
-Faults, one at a time at random intervals:
+Faults, one at a time at random intervals (each kind once per round, in a random order;
+after a worker restart the next fault waits until that worker is serving again):
 
   kill_worker     SIGKILL a Celery worker, restart it 1-3 s later
   kill_beat       SIGKILL beat, restart it
@@ -232,6 +233,7 @@ class Stack:
         self.logs = cfg.state_dir / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.log_offset: dict[str, int] = {}
         self.trainers: dict[int, subprocess.Popen[bytes]] = {}
         self.killed_trainers: set[int] = set()
         self.next_trainer = 0
@@ -299,10 +301,22 @@ class Stack:
             argv = worker_argv("acquire", "acquire", 16)
         else:
             argv = worker_argv("control", "release,pool", 8)
-        with (self.logs / f"{name}.log").open("ab") as log:
+        path = self.logs / f"{name}.log"
+        self.log_offset[name] = path.stat().st_size if path.exists() else 0
+        with path.open("ab") as log:
             self.procs[name] = subprocess.Popen(
                 argv, env=self.env(), stdout=log, stderr=log, stdin=subprocess.DEVNULL, cwd=REPO
             )
+
+    def ready(self, name: str) -> bool:
+        """Celery printed 'ready.' since the last spawn of ``name``."""
+        with (self.logs / f"{name}.log").open("rb") as f:
+            f.seek(self.log_offset.get(name, 0))
+            return b" ready." in f.read()
+
+    def wait_ready(self, name: str, timeout: float = 300.0) -> None:
+        # A loaded 2-core machine can take minutes to import Celery.
+        _wait(lambda: self.ready(name), timeout, f"{name} ready")
 
     def spawn_trainer(self) -> int:
         i = self.next_trainer
@@ -448,14 +462,8 @@ def run(cfg: Config, progress: Callable[[str], None] = lambda s: None) -> Result
         sentinels = set(_plant_sentinels(admin, stack.namespace, stack.installation, cfg.sentinels))
         for name in ("worker-acquire", "worker-control", "beat"):
             stack.spawn(name)
-        _wait(
-            lambda: all(
-                " ready." in (stack.logs / f"{n}.log").read_text(errors="replace")
-                for n in ("worker-acquire", "worker-control")
-            ),
-            300,  # a loaded 2-core machine can take minutes to import Celery twice
-            "workers ready",
-        )
+        stack.wait_ready("worker-acquire")
+        stack.wait_ready("worker-control")
         for _ in range(cfg.trainers):
             stack.spawn_trainer()
         progress(f"workload running ({cfg.trainers} trainers) for {cfg.duration_s:.0f}s")
@@ -557,6 +565,9 @@ def inject(kind: str, stack: Stack, proxy: Any, rng: random.Random, rule: Any) -
         stack.kill(name)
         time.sleep(rng.uniform(1, 3))
         stack.spawn(name)
+        # The next fault waits until this worker serves again: on a loaded machine a
+        # restart takes long enough that back-to-back kills would only measure an outage.
+        stack.wait_ready(name)
     elif kind == "kill_beat":
         stack.kill("beat")
         time.sleep(rng.uniform(0.5, 2))
