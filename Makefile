@@ -9,6 +9,8 @@ BIN := $(VENV)/bin
 export SANDMAN_CACHE_DIR ?= $(HOME)/.cache/sandman
 export SANDMAN_STATE_DIR ?= $(HOME)/.local/state/sandman
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
+# Browser tests use Debian's chromium; playwright must never download a browser.
+export PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD := 1
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-12)
 PYTEST_ARGS ?=
 

@@ -34,6 +34,7 @@ from broker.ledger.models import Job, Leak, Sandbox, utcnow
 from broker.ledger.states import LIVE_STATES, State
 from broker.provider import Provider
 
+GC_LAST_KEY = "sandman:gc:last"  # Redis key holding the latest pass summary (UI, /metrics)
 GC_LOCK_ID = 0x5A4D_6763  # pg advisory lock: one GC pass at a time, cluster-wide
 RECENT_S = 10.0  # rows younger than this may belong to a create racing our list
 
@@ -57,6 +58,25 @@ class GcReport:
 
     def to_dict(self) -> dict[str, object]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__} | {"clean": self.clean}
+
+
+def summarize(report: GcReport, *, by: str) -> dict[str, object]:
+    """The small JSON the admin UI and /metrics show for the latest pass."""
+    import datetime as _dt
+
+    return {
+        "at": _dt.datetime.now(_dt.UTC).isoformat(),
+        "by": by,
+        "dry_run": report.dry_run,
+        "duration_s": round(report.duration_s, 4),
+        "pods_seen": report.pods_seen,
+        "live_rows": report.live_rows,
+        "actions": len(report.actions),
+        "unowned_pods": len(report.unowned_pods),
+        "foreign_pods": len(report.foreign_pods),
+        "errors": len(report.errors),
+        "skipped_locked": report.skipped_locked,
+    }
 
 
 @contextmanager

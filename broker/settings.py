@@ -20,7 +20,7 @@ from broker.errors import ConfigError
 
 Backend = Literal["local", "kubernetes"]
 PREFIX = "SANDMAN_"
-_SECRET_FIELDS = frozenset({"admin_token", "admin_password", "secret_key"})
+_SECRET_FIELDS = frozenset({"admin_token", "admin_password", "secret_key", "viewer_token"})
 _URL_FIELDS = frozenset({"database_url", "redis_url"})
 
 
@@ -66,6 +66,8 @@ class Settings:
     web_port: int = 8000
     admin_token: str = ""
     admin_password: str = ""
+    viewer_token: str = ""  # read-only role in the admin UI
+    web_cookie_secure: bool = False  # set when the UI is served over HTTPS
     secret_key: str = ""
     log_level: str = "INFO"
 

@@ -114,7 +114,20 @@ class Stack:
             bind = f"{self.settings.web_host}:{self.settings.web_port}"
             self._spawn(
                 "web",
-                [sys.executable, "-m", "gunicorn", "-b", bind, "-w", "2", "web.wsgi:app"],
+                [
+                    sys.executable,
+                    "-m",
+                    "gunicorn",
+                    "-b",
+                    bind,
+                    "-w",
+                    "2",
+                    "--threads",
+                    "4",
+                    "--limit-request-line",
+                    "8190",
+                    "web.wsgi:app",
+                ],
                 env,
             )
         elif web and echo:

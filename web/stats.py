@@ -16,6 +16,7 @@ from typing import Any
 from sqlalchemy import func, select, text
 from sqlalchemy.orm import Session
 
+from broker import gc
 from broker.ledger.models import Event, Leak, Sandbox, utcnow
 from broker.ledger.states import LIVE_STATES
 
@@ -24,9 +25,9 @@ log = logging.getLogger(__name__)
 QUEUES = ("acquire", "release", "pool")
 PACER_BUCKET = "sandman:pace:bucket:global"
 PACER_SEM = "sandman:pace:sem:global"
-# Where the latest GC pass report is kept (written by the admin "run GC" action, and by
-# the GC task once the workers record it there too).
-GC_LAST_KEY = "sandman:gc:last"
+# Where the latest GC pass report is kept (written by the beat GC task and the admin
+# "run GC" action).
+GC_LAST_KEY = gc.GC_LAST_KEY
 LATENCY_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
 LIVE_VALUES = [s.value for s in LIVE_STATES]
 

@@ -57,9 +57,17 @@ def pool_upkeep() -> dict[str, Any]:
 
 @app.task(name="sandman.gc", acks_late=True)
 def gc() -> dict[str, object]:
-    from broker.gc import run_gc
+    import contextlib
+    import json
 
-    return run_gc(broker().provider).to_dict()
+    from broker.gc import GC_LAST_KEY, run_gc, summarize
+
+    report = run_gc(broker().provider)
+    if not report.skipped_locked:
+        # The pass succeeded; losing only its summary (Redis down) is fine.
+        with contextlib.suppress(Exception):
+            broker().redis.set(GC_LAST_KEY, json.dumps(summarize(report, by="beat")))
+    return report.to_dict()
 
 
 @worker_ready.connect

@@ -138,19 +138,17 @@ def test_security_headers(admin):
     assert response.headers["X-Frame-Options"] == "DENY"
 
 
-def test_future_settings_fields_are_honoured(web_settings):
-    """``viewer_token`` and ``web_cookie_secure`` are read with getattr until Settings has them."""
+def test_viewer_token_and_secure_cookie_settings_are_honoured(web_settings):
+    """SANDMAN_VIEWER_TOKEN replaces the token file; SANDMAN_WEB_COOKIE_SECURE sets Secure."""
     import dataclasses
 
-    from broker.settings import Settings
     from web.app import create_app
 
-    @dataclasses.dataclass(frozen=True)
-    class Future(Settings):
-        viewer_token: str = "field-viewer-token-0123456789"
-        web_cookie_secure: bool = True
-
-    app = create_app(Future(**dataclasses.asdict(web_settings)))
+    app = create_app(
+        dataclasses.replace(
+            web_settings, viewer_token="field-viewer-token-0123456789", web_cookie_secure=True
+        )
+    )
     try:
         client = app.test_client()
         response = login(client, "field-viewer-token-0123456789", "carol")
