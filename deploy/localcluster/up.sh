@@ -78,6 +78,86 @@ addrs="$(ip -4 addr show dev "$BRIDGE_NAME")"   # no pipe into grep -q: SIGPIPE 
 [[ "$addrs" == *"inet $BRIDGE_IP/"* ]] || ip addr add "$BRIDGE_IP/24" dev "$BRIDGE_NAME"
 ip link set "$BRIDGE_NAME" up
 
+# ---------------------------------------------------------------- containerd + CNI
+cat > "$CNI_CONF_DIR/10-sandman.conflist" <<JSON
+{
+  "cniVersion": "1.0.0",
+  "name": "sandman",
+  "plugins": [
+    {
+      "type": "bridge",
+      "bridge": "$BRIDGE_NAME",
+      "isGateway": true,
+      "ipMasq": false,
+      "hairpinMode": true,
+      "ipam": {
+        "type": "host-local",
+        "dataDir": "$STATE/cni/ipam",
+        "ranges": [[{"subnet": "$POD_CIDR", "gateway": "$BRIDGE_IP"}]],
+        "routes": [{"dst": "0.0.0.0/0"}]
+      }
+    }
+  ]
+}
+JSON
+mkdir -p "$CTRD_ROOT" "$CTRD_STATE"
+cat > "$STATE/containerd/config.toml" <<TOML
+version = 2
+root = "$CTRD_ROOT"
+state = "$CTRD_STATE"
+disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapshotter.v1.zfs", "io.containerd.snapshotter.v1.devmapper", "io.containerd.snapshotter.v1.aufs", "io.containerd.internal.v1.opt", "io.containerd.tracing.processor.v1.otlp"]
+
+[grpc]
+  address = "$CTRD_SOCK"
+[ttrpc]
+  address = "$CTRD_SOCK.ttrpc"
+[debug]
+  level = "info"
+[metrics]
+  address = ""
+
+[plugins."io.containerd.grpc.v1.cri"]
+  sandbox_image = "$PAUSE_IMAGE"
+  enable_selinux = false
+  disable_apparmor = true
+  # this VM lacks CAP_SYS_RESOURCE: negative oom_score_adj (pause: -998) would fail in runc
+  restrict_oom_score_adj = true
+  max_container_log_line_size = 65536
+  [plugins."io.containerd.grpc.v1.cri".containerd]
+    snapshotter = "overlayfs"
+    default_runtime_name = "runc"
+    discard_unpacked_layers = false
+    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+      runtime_type = "io.containerd.runc.v2"
+      [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
+        SystemdCgroup = false
+        BinaryName = "/usr/sbin/runc"
+  [plugins."io.containerd.grpc.v1.cri".cni]
+    bin_dir = "$CNI_BIN_DIR"
+    conf_dir = "$CNI_CONF_DIR"
+    max_conf_num = 1
+TOML
+start containerd /usr/bin/containerd --config "$STATE/containerd/config.toml"
+CTR=(ctr --address "$CTRD_SOCK" -n k8s.io)
+wait_for "containerd socket" 60 "${CTR[@]}" version
+
+# ---------------------------------------------------------------- images
+# imported in the background while the control plane starts; waited for before kubelet
+import_images() {
+present="$("${CTR[@]}" images ls -q 2>/dev/null || true)"
+while IFS=$'\t' read -r ref tarball; do
+  [[ -n "$ref" ]] || continue
+  # re-import when the ref is missing or was imported from another tarball
+  marker="$STATE/run/imported-$(basename "$tarball")"
+  if grep -qx "$ref" <<<"$present" && [[ -e "$marker" ]]; then continue; fi
+  log "importing $ref"
+  "${CTR[@]}" images import --snapshotter overlayfs "$tarball" >/dev/null
+  touch "$marker"
+done < "$IMAGES_CACHE/index.tsv"
+}
+import_images > "$LOGS/image-import.log" 2>&1 &
+IMPORT_PID=$!
+
 # ---------------------------------------------------------------- etcd
 start etcd "$ETCD_BIN/etcd" \
   --name sandman --data-dir "$STATE/etcd" \
@@ -187,14 +267,17 @@ if [[ $missing = 1 ]]; then
   kc create -f "$nodes_yaml" 2>&1 | grep -v AlreadyExists >&2 || true
 fi
 # capacity lives in status (which a create ignores): patch nodes that do not have it yet
+patch_pids=()
 have="$(kc get nodes -l type=kwok -o jsonpath='{range .items[*]}{.metadata.name}={.status.capacity.pods}{"\n"}{end}')"
 for ((i = 0; i < KWOK_NODE_COUNT; i++)); do
   cur="$(sed -n "s/^kwok-node-$i=//p" <<<"$have")"
   case "$cur" in *k) cur=$(( ${cur%k} * 1000 ));; *M) cur=$(( ${cur%M} * 1000000 ));; esac
   [[ "$cur" == "$KWOK_NODE_PODS" ]] && continue
   kc patch node "kwok-node-$i" --subresource=status --type=merge -p \
-    "{\"status\":{\"capacity\":{\"cpu\":\"64\",\"memory\":\"256Gi\",\"pods\":\"$KWOK_NODE_PODS\",\"ephemeral-storage\":\"1Ti\"},\"allocatable\":{\"cpu\":\"64\",\"memory\":\"256Gi\",\"pods\":\"$KWOK_NODE_PODS\",\"ephemeral-storage\":\"1Ti\"}}}" >/dev/null
+    "{\"status\":{\"capacity\":{\"cpu\":\"64\",\"memory\":\"256Gi\",\"pods\":\"$KWOK_NODE_PODS\",\"ephemeral-storage\":\"1Ti\"},\"allocatable\":{\"cpu\":\"64\",\"memory\":\"256Gi\",\"pods\":\"$KWOK_NODE_PODS\",\"ephemeral-storage\":\"1Ti\"}}}" >/dev/null &
+  patch_pids+=($!)
 done
+for p in "${patch_pids[@]}"; do wait "$p"; done   # parallel: kubectl start-up dominates
 start kwok "$KWOK_BIN/kwok" \
   --kubeconfig "$STATE/kwok.kubeconfig" \
   --config "$LC_DIR/kwok-stages.yaml" \
@@ -203,82 +286,8 @@ start kwok "$KWOK_BIN/kwok" \
   --server-address "127.0.0.1:$KWOK_PORT" \
   --node-ip 127.0.0.1
 
-# ---------------------------------------------------------------- containerd + CNI
-cat > "$CNI_CONF_DIR/10-sandman.conflist" <<JSON
-{
-  "cniVersion": "1.0.0",
-  "name": "sandman",
-  "plugins": [
-    {
-      "type": "bridge",
-      "bridge": "$BRIDGE_NAME",
-      "isGateway": true,
-      "ipMasq": false,
-      "hairpinMode": true,
-      "ipam": {
-        "type": "host-local",
-        "dataDir": "$STATE/cni/ipam",
-        "ranges": [[{"subnet": "$POD_CIDR", "gateway": "$BRIDGE_IP"}]],
-        "routes": [{"dst": "0.0.0.0/0"}]
-      }
-    }
-  ]
-}
-JSON
-mkdir -p "$CTRD_ROOT" "$CTRD_STATE"
-cat > "$STATE/containerd/config.toml" <<TOML
-version = 2
-root = "$CTRD_ROOT"
-state = "$CTRD_STATE"
-disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapshotter.v1.zfs", "io.containerd.snapshotter.v1.devmapper", "io.containerd.snapshotter.v1.aufs", "io.containerd.internal.v1.opt", "io.containerd.tracing.processor.v1.otlp"]
-
-[grpc]
-  address = "$CTRD_SOCK"
-[ttrpc]
-  address = "$CTRD_SOCK.ttrpc"
-[debug]
-  level = "info"
-[metrics]
-  address = ""
-
-[plugins."io.containerd.grpc.v1.cri"]
-  sandbox_image = "$PAUSE_IMAGE"
-  enable_selinux = false
-  disable_apparmor = true
-  # this VM lacks CAP_SYS_RESOURCE: negative oom_score_adj (pause: -998) would fail in runc
-  restrict_oom_score_adj = true
-  max_container_log_line_size = 65536
-  [plugins."io.containerd.grpc.v1.cri".containerd]
-    snapshotter = "overlayfs"
-    default_runtime_name = "runc"
-    discard_unpacked_layers = false
-    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
-      runtime_type = "io.containerd.runc.v2"
-      [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
-        SystemdCgroup = false
-        BinaryName = "/usr/sbin/runc"
-  [plugins."io.containerd.grpc.v1.cri".cni]
-    bin_dir = "$CNI_BIN_DIR"
-    conf_dir = "$CNI_CONF_DIR"
-    max_conf_num = 1
-TOML
-start containerd /usr/bin/containerd --config "$STATE/containerd/config.toml"
-CTR=(ctr --address "$CTRD_SOCK" -n k8s.io)
-wait_for "containerd socket" 60 "${CTR[@]}" version
-
-# ---------------------------------------------------------------- images
-present="$("${CTR[@]}" images ls -q 2>/dev/null || true)"
-while IFS=$'\t' read -r ref tarball; do
-  [[ -n "$ref" ]] || continue
-  # re-import when the ref is missing or was imported from another tarball
-  marker="$STATE/run/imported-$(basename "$tarball")"
-  if grep -qx "$ref" <<<"$present" && [[ -e "$marker" ]]; then continue; fi
-  log "importing $ref"
-  "${CTR[@]}" images import --snapshotter overlayfs "$tarball" >/dev/null
-  touch "$marker"
-done < "$IMAGES_CACHE/index.tsv"
-
 # ---------------------------------------------------------------- kubelet (real node)
+wait "$IMPORT_PID" || { cat "$LOGS/image-import.log" >&2; die "image import failed"; }
 mkdir -p "$STATE/kubelet"
 if [[ "$CGROUP_ROOT" != "/" ]]; then   # kubelet wants cgroupRoot to exist in every hierarchy
   for h in /sys/fs/cgroup/*/; do
