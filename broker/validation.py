@@ -18,6 +18,7 @@ _IMAGE = re.compile(
     r"(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?(?:@sha256:[a-f0-9]{64})?\Z"
 )
 _DIGEST = re.compile(r"^sha256:[a-f0-9]{64}\Z")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\Z")
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,128}\Z")
 MIN_CPU_M, MAX_CPU_M = 10, 64_000
 MIN_MEMORY_B, MAX_MEMORY_B = 16 << 20, 512 << 30
@@ -75,7 +76,9 @@ def parse_memory(value: str | int) -> int:
 
 def validate_spec(spec: AcquireSpec) -> None:
     validate_image(spec.image)
-    if spec.image_digest is not None and not _DIGEST.match(spec.image_digest):
+    if spec.image_digest is not None and (
+        not isinstance(spec.image_digest, str) or not _DIGEST.match(spec.image_digest)
+    ):
         raise InvalidRequest(f"invalid image digest {spec.image_digest!r}")
     if not MIN_CPU_M <= spec.cpu_m <= MAX_CPU_M:
         raise InvalidRequest(f"cpu {spec.cpu_m}m outside {MIN_CPU_M}m..{MAX_CPU_M}m")
@@ -85,3 +88,8 @@ def validate_spec(spec: AcquireSpec) -> None:
         raise InvalidRequest("request_id must be 1-128 chars of [A-Za-z0-9_.:-]")
     if spec.workdir and not spec.workdir.startswith("/"):
         raise InvalidRequest(f"workdir must be absolute, not {spec.workdir!r}")
+    for name, value in (spec.env or {}).items():
+        if not (isinstance(name, str) and _ENV_NAME.match(name)) or not isinstance(value, str):
+            raise InvalidRequest(f"env must map names [A-Za-z_][A-Za-z0-9_]* to strings: {name!r}")
+        if "\x00" in value:
+            raise InvalidRequest(f"env value of {name} contains NUL")
