@@ -11,11 +11,11 @@ import os
 import shutil
 import signal
 import sys
-import tempfile
 import threading
 from typing import List, Optional, Tuple
 
 from . import __version__
+from . import rundir as rundir_mod
 from .api import App
 from .reaper import Reaper, become_subreaper
 from .server import Server
@@ -119,22 +119,6 @@ def ensure_std_fds() -> None:
             os.open("/dev/null", os.O_RDWR)
 
 
-def runtime_dir() -> str:
-    """A private 0700 dir for the command file, never next to execd itself.
-
-    tmpfs is preferred: the command file is rewritten before every call, and
-    on a disk-backed overlay /tmp that costs milliseconds, on tmpfs microseconds.
-    """
-    shm = "/dev/shm"  # noqa: S108 (a private mkdtemp below it, mode 0700)
-    for base in (os.environ.get("XDG_RUNTIME_DIR"), shm, tempfile.gettempdir()):
-        if base and os.path.isdir(base) and os.access(base, os.W_OK | os.X_OK):
-            try:
-                return tempfile.mkdtemp(prefix="execd-", dir=base)
-            except OSError:
-                continue
-    raise SystemExit("execd: no writable directory for runtime files")
-
-
 def main(argv: Optional[List[str]] = None) -> int:
     ensure_std_fds()
     args = parse_args(argv)
@@ -157,7 +141,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     become_subreaper()
     reaper = Reaper()
     reaper.start()
-    rundir = runtime_dir()
+    rundir = rundir_mod.create()
     shell = Shell(bash, workdir, dict(os.environ), rundir, reaper)
     shell.start()
     state = StateKeeper(shell, workdir, rundir)

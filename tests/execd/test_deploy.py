@@ -139,3 +139,25 @@ def test_sigterm_cleans_up_processes_and_runtime_dir(tmp_path):
     for pid in (bash_pid, job):
         assert not os.path.exists(f"/proc/{pid}") or "Z" in Path(f"/proc/{pid}/stat").read_text()
     assert not os.path.exists(rundir)
+
+
+def test_runtime_dirs_of_dead_daemons_are_swept(tmp_path):
+    from execd import proc
+
+    ns = os.readlink("/proc/self/ns/pid")
+    gone = subprocess.Popen(["true"])
+    start = proc.read_stat(gone.pid).start
+    gone.wait()
+    stale, live = (
+        Path(tempfile.mkdtemp(prefix="execd-", dir="/dev/shm")),
+        Path(tempfile.mkdtemp(prefix="execd-", dir="/dev/shm")),
+    )
+    (stale / "owner").write_text(f"{gone.pid} {start} {ns}")
+    me = proc.read_stat(os.getpid()).start
+    (live / "owner").write_text(f"{os.getpid()} {me} {ns}")
+    d = Daemon(tmp_path)
+    try:
+        assert not stale.exists() and live.exists()
+    finally:
+        d.stop()
+        shutil.rmtree(live, ignore_errors=True)
