@@ -94,6 +94,15 @@ def _wait_namespaces_gone(kubectl: Any, names: list[str], timeout: float = 300) 
         )
 
 
+def _settle_namespaces(kubectl: Any, names: list[str], timeout: float = 120) -> None:
+    """Give deleted namespaces a while to go. Everything in them goes with them; a busy
+    namespace controller can take minutes to finalize, and the next install waits for
+    that (``_wait_namespaces_gone``), so a slow finalization is not a failure here."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not all(_namespace_gone(kubectl, n) for n in names):
+        time.sleep(2)
+
+
 @pytest.fixture(scope="module")
 def install_namespaces(kubectl: Any) -> Iterator[list[str]]:
     """The overlay's namespaces, created for real (with their labels) when missing, and
@@ -120,7 +129,7 @@ def install_namespaces(kubectl: Any) -> Iterator[list[str]]:
     yield [n["metadata"]["name"] for n in namespaces]
     for name in created:
         kubectl("delete", "namespace", name, "--ignore-not-found", "--wait=false", check=False)
-    _wait_namespaces_gone(kubectl, created)
+    _settle_namespaces(kubectl, created)
 
 
 def _terminating(kubectl: Any, ns: dict[str, Any]) -> bool:
@@ -346,13 +355,7 @@ def localcluster_install(kubectl: Any, core_v1: Any) -> Iterator[dict[str, float
     finally:
         timings["deploy_s"] = timings.get("deploy_s", time.monotonic() - t0)
         kubectl("delete", "-k", overlay, "--ignore-not-found", "--wait=false", check=False)
-        # Everything is deleted with its namespace; a busy namespace controller may take
-        # minutes to finalize, which the next install waits for (above), so no failure here.
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and not all(
-            _namespace_gone(kubectl, n) for n in namespaces
-        ):
-            time.sleep(2)
+        _settle_namespaces(kubectl, namespaces)
 
 
 def test_localcluster_overlay_serves_acquire_exec_release(
