@@ -1,19 +1,14 @@
 """Kubernetes implementation of the Backend seam.
 
 Deletes carry a UID precondition taken from a nonce-checked read, so the broker can only
-ever delete the exact pod object it proved to be its own. Readiness comes from one shared
-list+watch of the installation's pods per namespace and process (``PodCache``), which wakes
-the waiters of the pods that changed: no per-pod GET and watch per create (at 12,000 pods
-and 48 creating threads that was the API server's largest request stream). If the cache
-is not synced (API down, RBAC), each waiter falls back to its own read and watch.
+ever delete the exact pod object it proved to be its own. Readiness comes from a watch
+(re-listed on 410 Gone), not per-pod polling.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime as dt
-import logging
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -23,15 +18,6 @@ from broker.errors import KubeConflict, KubeError, KubeNotFound, OwnershipError
 from broker.kube import podspec
 from broker.kube.api import Kube, load_api_client
 from broker.settings import Settings
-
-log = logging.getLogger(__name__)
-GONE_TTL_S = 600.0
-
-
-def _deleted(name: str, namespace: str) -> PodInfo:
-    return PodInfo(
-        name=name, namespace=namespace, labels={}, phase="Failed", ready=False, reason="Deleted"
-    )
 
 
 def _parse_time(value: str | None) -> dt.datetime | None:
@@ -83,130 +69,6 @@ def pod_info(pod: dict[str, Any], port: int) -> PodInfo:
     )
 
 
-class PodCache:
-    """One list+watch of pods matching ``selector`` in a namespace; waiters per pod name.
-
-    A daemon thread lists, then watches from the list's resourceVersion; on 410 Gone or
-    any error it re-lists (with backoff for errors). ``synced`` is False while it cannot.
-    """
-
-    def __init__(self, kube: Kube, namespace: str, selector: str, port: int) -> None:
-        self.kube, self.namespace, self.selector, self.port = kube, namespace, selector, port
-        self.lock = threading.Lock()
-        self.synced_event = threading.Event()
-        self.pods: dict[str, PodInfo] = {}
-        self.gone: dict[str, float] = {}  # name -> monotonic time its deletion was seen
-        self.waiters: dict[str, set[threading.Event]] = {}
-        self.lists = 0
-        self._thread = threading.Thread(
-            target=self._run, name=f"pod-cache-{namespace}", daemon=True
-        )
-        self._thread.start()
-
-    def _notify(self, names: set[str] | None) -> None:
-        """Wake the waiters of ``names`` (all waiters for None). Caller holds the lock."""
-        for name, events in self.waiters.items():
-            if names is None or name in names:
-                for event in events:
-                    event.set()
-
-    def _run(self) -> None:
-        backoff = 0.5
-        while True:
-            try:
-                items, version = self.kube.list_pods(self.namespace, self.selector)
-                fresh = {}
-                for pod in items:
-                    info = pod_info(pod, self.port)
-                    fresh[info.name] = info
-                now = time.monotonic()
-                with self.lock:
-                    for name in self.pods.keys() - fresh.keys():
-                        self.gone[name] = now
-                    self.pods = fresh
-                    self.gone = {n: t for n, t in self.gone.items() if now - t < GONE_TTL_S}
-                    self.lists += 1
-                    self.synced_event.set()
-                    self._notify(None)
-                backoff = 0.5
-                while True:
-                    for kind, obj in self.kube.watch_pods(
-                        self.namespace,
-                        label_selector=self.selector,
-                        resource_version=version,
-                        timeout_s=55.0,
-                    ):
-                        meta = obj.get("metadata") or {}
-                        version = meta.get("resourceVersion") or version
-                        info = pod_info(obj, self.port)
-                        with self.lock:
-                            if kind == "DELETED":
-                                self.pods.pop(info.name, None)
-                                self.gone[info.name] = time.monotonic()
-                            else:
-                                self.pods[info.name] = info
-                                self.gone.pop(info.name, None)
-                            self._notify({info.name})
-            except Exception as exc:  # re-list after anything; keep waiters informed
-                with self.lock:
-                    self.synced_event.clear()
-                    self._notify(None)
-                if not (isinstance(exc, KubeError) and exc.status == 410):
-                    log.warning("pod cache for %s: %s; re-listing", self.namespace, exc)
-                    time.sleep(backoff)
-                    backoff = min(backoff * 2, 10.0)
-
-    def watch(self, names: set[str], timeout_s: float, get: Any) -> Iterator[PodInfo] | None:
-        """Changes of ``names`` until the timeout, current state first; None if unsynced."""
-        if not self.synced_event.wait(min(timeout_s, 2.0)):
-            return None
-        return self._watch(names, timeout_s, get)
-
-    def _watch(self, names: set[str], timeout_s: float, get: Any) -> Iterator[PodInfo]:
-        deadline = time.monotonic() + timeout_s
-        event = threading.Event()
-        last: dict[str, PodInfo] = {}
-        read_back: set[str] = set()
-        with self.lock:
-            for name in names:
-                self.waiters.setdefault(name, set()).add(event)
-        try:
-            while True:
-                event.clear()
-                changed: list[PodInfo] = []
-                missing: list[str] = []
-                with self.lock:
-                    for name in names:
-                        info = self.pods.get(name)
-                        if info is None and name in self.gone:
-                            info = _deleted(name, self.namespace)
-                        if info is None:
-                            if name not in read_back:
-                                missing.append(name)
-                        elif last.get(name) != info:
-                            last[name] = info
-                            changed.append(info)
-                for name in missing:  # created a moment ago: the watch has not shown it yet
-                    read_back.add(name)
-                    pod = get(self.namespace, name)
-                    info = pod_info(pod, self.port) if pod else _deleted(name, self.namespace)
-                    last[name] = info
-                    changed.append(info)
-                yield from changed
-                remaining = deadline - time.monotonic()
-                if remaining <= 0 or not self.synced_event.is_set():
-                    return
-                event.wait(remaining)
-        finally:
-            with self.lock:
-                for name in names:
-                    events = self.waiters.get(name)
-                    if events is not None:
-                        events.discard(event)
-                        if not events:
-                            del self.waiters[name]
-
-
 class KubeBackend:
     """Pods in one namespace of a real cluster."""
 
@@ -218,8 +80,6 @@ class KubeBackend:
         self.port = execd_port
         self._owners: dict[tuple[str, str], str] = {}
         self._execd: dict[str, tuple[str, list[str]]] = {}
-        self._caches: dict[str, PodCache] = {}
-        self._caches_lock = threading.Lock()
 
     @classmethod
     def from_settings(cls, settings: Settings) -> KubeBackend:
@@ -320,26 +180,8 @@ class KubeBackend:
         pods, _ = self.kube.list_pods(namespace, LABEL_NONCE)
         return [pod_info(p, self.port) for p in pods]
 
-    def pod_cache(self, namespace: str) -> PodCache:
-        with self._caches_lock:
-            cache = self._caches.get(namespace)
-            if cache is None:
-                selector = f"{LABEL_INSTALLATION}={self.installation}"
-                cache = self._caches[namespace] = PodCache(
-                    self.kube, namespace, selector, self.port
-                )
-            return cache
-
     def watch_ready(self, namespace: str, names: set[str], timeout_s: float) -> Iterator[PodInfo]:
-        """Current state first, then changes, from the shared pod cache (or a direct watch)."""
-        shared = self.pod_cache(namespace).watch(names, timeout_s, self.kube.get_pod)
-        if shared is not None:
-            yield from shared
-            return
-        yield from self._watch_direct(namespace, names, timeout_s)
-
-    def _watch_direct(self, namespace: str, names: set[str], timeout_s: float) -> Iterator[PodInfo]:
-        """Current state first, then changes from a per-pod watch; 410 Gone means re-read."""
+        """Current state first, then changes from a watch; 410 Gone means re-read."""
         deadline = time.monotonic() + timeout_s
         for name in names:
             pod = self.kube.get_pod(namespace, name)
