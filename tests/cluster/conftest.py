@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import signal
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -49,6 +50,9 @@ def kubeconfig_path() -> str:
         if not Path(explicit).is_file():
             _unavailable(f"SANDMAN_TEST_KUBECONFIG={explicit} does not exist")
         return explicit
+    # A cold start builds Kubernetes (tens of minutes), far beyond pytest-timeout's per-test
+    # budget: pause its ITIMER_REAL alarm (signal method) while up.sh runs, then resume it.
+    saved = signal.setitimer(signal.ITIMER_REAL, 0)
     try:
         proc = subprocess.run(
             [str(UP_SCRIPT)],
@@ -60,6 +64,9 @@ def kubeconfig_path() -> str:
     except (OSError, subprocess.TimeoutExpired) as exc:
         _unavailable(f"local cluster could not be started: {exc}")
         raise  # unreachable, keeps type checkers happy
+    finally:
+        if saved[0] > 0:
+            signal.setitimer(signal.ITIMER_REAL, *saved)
     if proc.returncode != 0:
         _unavailable(
             f"deploy/localcluster/up.sh failed (rc={proc.returncode}):\n{proc.stderr[-4000:]}"

@@ -67,7 +67,7 @@ def test_nodes_ready(core_v1: Any) -> None:
         assert n.metadata.labels["kubernetes.io/hostname"] == n.metadata.name
         taints = {(t.key, t.value, t.effect) for t in n.spec.taints or []}
         assert ("kwok.x-k8s.io/node", "fake", "NoSchedule") in taints
-        assert parse_quantity(n.status.allocatable["pods"]) >= 1000
+        assert parse_quantity(n.status.allocatable["pods"]) >= 1000  # type: ignore[no-untyped-call]
 
     assert len(real) >= 1, "no node labelled sandman.io/node-kind=real"
     node = real[0]
