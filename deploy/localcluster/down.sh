@@ -6,6 +6,9 @@
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 PIDS="$STATE/pids"
 PURGE=0; [[ "${1:-}" == "--purge" ]] && PURGE=1
+[[ -d "$STATE" ]] || { log "no state at $STATE: nothing to stop"; exit 0; }
+exec 9>"$STATE/lock"
+flock -w 600 9 || die "another up.sh/down.sh holds $STATE/lock"
 
 pid_of() { # NAME -> pid if alive and running the recorded binary
   local pf="$PIDS/$1.pid" pid exe

@@ -8,6 +8,9 @@ source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 T0=$SECONDS
 
 mkdir -p "$STATE"/{logs,pids,run} "$STATE/cni/net.d" "$STATE/cni/ipam"
+# one up/down at a time (several agents and pytest share the cluster); daemons get fd 9 closed
+exec 9>"$STATE/lock"
+flock -w 1800 9 || die "another up.sh/down.sh holds $STATE/lock"
 LOGS="$STATE/logs"; PIDS="$STATE/pids"
 KUBECTL="$K8S_BIN/kubectl"
 kc() { "$KUBECTL" --kubeconfig "$KUBECONFIG_PATH" "$@"; }
@@ -26,7 +29,7 @@ start() { # NAME BINARY ARGS...  (no-op when already running)
   if alive "$name"; then return 0; fi
   log "starting $name"
   echo "=== $(date -Is) start: $bin $*" >> "$LOGS/$name.log"
-  setsid nohup "$bin" "$@" >> "$LOGS/$name.log" 2>&1 < /dev/null &
+  setsid nohup "$bin" "$@" >> "$LOGS/$name.log" 2>&1 < /dev/null 9>&- &
   echo "$! $bin" > "$PIDS/$name.pid"
 }
 
