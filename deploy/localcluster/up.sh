@@ -80,6 +80,17 @@ fi
 addrs="$(ip -4 addr show dev "$BRIDGE_NAME")"   # no pipe into grep -q: SIGPIPE + pipefail
 [[ "$addrs" == *"inet $BRIDGE_IP/"* ]] || ip addr add "$BRIDGE_IP/24" dev "$BRIDGE_NAME"
 ip link set "$BRIDGE_NAME" up
+# Stale pod interfaces: after a crash or a killed session the pods' network namespaces
+# outlive containerd, keeping their veths on our bridge with addresses that a fresh
+# host-local IPAM would hand out again (two interfaces answering for one pod IP). When no
+# containerd shim is alive, no pod can be using them: remove every veth on our bridge.
+if ! pgrep -f containerd-shim-runc-v2 >/dev/null 2>&1; then
+  stale="$(ip -o link show master "$BRIDGE_NAME" 2>/dev/null | awk -F': ' '{print $2}' | cut -d@ -f1)"
+  for dev in $stale; do
+    log "removing stale pod interface $dev from $BRIDGE_NAME"
+    ip link delete "$dev" 2>/dev/null || true
+  done
+fi
 
 # ---------------------------------------------------------------- containerd + CNI
 cat > "$CNI_CONF_DIR/10-sandman.conflist" <<JSON
