@@ -167,7 +167,9 @@ SITE="$R/opt/sandman/venv/lib/python3.11/site-packages"
 rm -rf "$SITE/migrations" && cp -a "$REPO/migrations" "$SITE/migrations"
 cp "$REPO/alembic.ini" "$R/opt/sandman/alembic.ini"
 find "$SITE/migrations" -name __pycache__ -prune -exec rm -rf {} +
-touch "$SITE/migrations" "$R/opt/sandman/alembic.ini"
+# cp -a kept the checkout's mtimes: make them new, or the layer (files newer than the
+# marker) would silently leave the migrations out
+find "$SITE/migrations" "$R/opt/sandman/alembic.ini" -exec touch {} +
 chroot "$R" /opt/sandman/venv/bin/python -m compileall -q /opt/sandman/venv/lib/python3.11/site-packages/migrations >/dev/null
 # smoke test inside the chroot: entry point, migrations and execd where the code looks
 chroot "$R" /opt/sandman/venv/bin/python -c '
@@ -178,6 +180,13 @@ assert p.execd_files(), p.EXECD_DIR
 chroot "$R" /opt/sandman/venv/bin/sandman --version >&2
 (cd "$R" && find ./opt -newer "$W/marker" | sort) > "$W/app.list"
 tar --numeric-owner --no-recursion --mtime=@1704067200 -C "$R" -cf "$W/layer.tar" -T "$W/app.list"
+# the layer itself must carry what the code looks for (the chroot check above cannot tell)
+for want in site-packages/migrations/env.py site-packages/execd/__init__.py site-packages/broker/migrate.py bin/sandman; do
+  grep -q "/$want\$" "$W/app.list" || die "the project layer lacks $want"
+done
+nvers="$(find "$REPO/migrations/versions" -name '*.py' | wc -l)"
+[[ "$(grep -c 'site-packages/migrations/versions/[^/]*\.py$' "$W/app.list")" -eq "$nvers" ]] \
+  || die "the project layer lacks some of the $nvers migration versions"
 
 log "packing $TAG"
 python3 "$PACK" --out "$IMAGE_TAR.tmp" --tag "$TAG" --tag "localhost/sandman-broker:$SRC_HASH" \
