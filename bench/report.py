@@ -338,16 +338,25 @@ def phase_report(args: argparse.Namespace) -> None:
             "| figure | value | baseline / reference |",
             "|---|---|---|",
             f"| sandboxes held concurrently | **{scale['held_peak']}** | paper: 11,858 |",
-            f"| acquire errors | {scale['error_count']} | paper: 83 timeouts |",
+            f"| acquire errors | {scale.get('error_count', 'see note')} | paper: 83 timeouts |",
+            f"| target reached | {'yes' if scale['held_peak'] >= scale.get('args', {}).get('target', 12000) else '**no**'} | target {scale.get('args', {}).get('target', 12000)} |",
             f"| create-to-Ready | {_lat(scale['create_to_ready_s'])} | paper: 5-7 s median |",
             f"| queue-inclusive acquisition (ledger) | {_lat(scale['acquire_latency_s'])} | |",
-            f"| queue-inclusive acquisition (client) | {_lat(scale['client_acquire_s'])} | |",
+            f"| queue-inclusive acquisition (client) | {_lat(scale.get('client_acquire_s'))} | |",
             f"| achieved create rate | {scale['achieved_create_rate']:.2f}/s | pacer {scale['pacer_rate']:g}/s "
             f"({(scale['achieved_create_rate'] / scale['pacer_rate'] - 1) * 100:+.1f}%) |",
             f"| bare API create rate (plain client, 32 threads) | {bare.get('create_rate', math.nan):.1f}/s | "
             f"broker/bare = {ratio:.2f} |",
             f"| ramp wall time | {scale['ramp_wall_s']:.0f} s | |",
         ]
+        for name, value in (scale.get("usage_ramp_samples") or {}).items():
+            md.append(f"| {name} (5-s samples over the ramp) | {value:.1f} | |")
+        for name, u in (scale.get("usage_cumulative") or {}).items():
+            if isinstance(u, dict) and "cpu_s" in u:
+                md.append(
+                    f"| {name}: CPU since start / peak RSS | {u['cpu_s']:.0f} CPU-s | "
+                    f"{u['peak_rss_mb']:.0f} MiB |"
+                )
         for name, u in usage.items():
             md.append(
                 f"| {name} CPU over the ramp | {u['avg_cores']:.2f} cores avg "
@@ -371,6 +380,8 @@ def phase_report(args: argparse.Namespace) -> None:
                 f"{led['database_bytes'] / 2**20:.1f} MiB |"
             )
         md += ["", f"API outcomes: `{json.dumps(scale.get('api_outcomes'))}`", ""]
+        if scale.get("args", {}).get("note"):
+            md += [f"Run notes: {scale['args']['note']}.", ""]
         figures["scale"] = {k: v for k, v in scale.items() if not k.startswith("hist_")}
     if burst:
         md += [
