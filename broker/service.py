@@ -27,7 +27,13 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from broker import mailbox, reuse
 from broker.backends.base import Backend
-from broker.errors import AcquireTimeout, CreateFailed, InvalidRequest, SandmanError
+from broker.errors import (
+    AcquireTimeout,
+    CreateFailed,
+    InvalidRequest,
+    SandmanError,
+    ServiceUnavailable,
+)
 from broker.ledger import store
 from broker.ledger.models import Job, Sandbox, utcnow
 from broker.ledger.states import Role, State
@@ -60,8 +66,19 @@ def make_backend(settings: Settings) -> Backend:
 
 
 def error_payload(exc: BaseException) -> dict[str, Any]:
+    if _service_down(exc):  # PostgreSQL or Redis unreachable: say so, not "unexpected"
+        exc = ServiceUnavailable(f"{type(exc).__name__}: {str(exc)[:500]}")
     code = exc.code if isinstance(exc, SandmanError) else "infrastructure_error"
     return {"error": {"code": code, "message": str(exc)[:2000], "type": type(exc).__name__}}
+
+
+def _service_down(exc: BaseException) -> bool:
+    import redis as redis_lib
+    from sqlalchemy.exc import DBAPIError
+
+    if isinstance(exc, DBAPIError):
+        return bool(exc.connection_invalidated) or type(exc).__name__ == "OperationalError"
+    return isinstance(exc, redis_lib.ConnectionError | redis_lib.TimeoutError)
 
 
 @dataclass
