@@ -40,12 +40,9 @@ def _app(database_url: str, state: Path):  # type: ignore[no-untyped-def]
     return app
 
 
-_state = Path(__import__("tempfile").mkdtemp(prefix="sandman-st-"))
-
-
 @pytest.fixture(scope="module")
-def wsgi_app(database_url: str):  # type: ignore[no-untyped-def]
-    app = _app(database_url, _state)
+def wsgi_app(database_url: str, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    app = _app(database_url, tmp_path_factory.mktemp("web-fuzz"))
     yield app
     app.extensions["sandman"].dispose()
 
