@@ -346,7 +346,12 @@ class Harness:
         for i in range(n):
             if rate:
                 time.sleep(max(0.0, t0 + i / rate - time.monotonic()))
-            req = self.request(timeout)
+            # Every request expires at the ramp's end (``timeout`` after its start): a
+            # ramp the machine cannot finish ends with AcquireTimeouts, not a hung bench.
+            left = t0 + timeout - time.monotonic()
+            if left < 5:
+                break
+            req = self.request(left)
             self.client.send("sandman.acquire", [req], "acquire")
             todo.put(req)
             submitted[0] += 1
@@ -558,6 +563,7 @@ def main() -> int:
     parser.add_argument("--extra-release-workers", type=int, default=0)
     parser.add_argument("--bare-n", type=int, default=1000)
     parser.add_argument("--release-timeout", type=float, default=1800)
+    parser.add_argument("--max-ramp-s", type=float, default=3600, help="ramp deadline")
     parser.add_argument("--keep-namespace", action="store_true")
     args = parser.parse_args()
     tag = f"scale-{dt.datetime.now(dt.UTC):%m%d%H%M}"
@@ -580,7 +586,7 @@ def main() -> int:
         got = h.offer(
             args.target,
             args.offered or args.rate,
-            timeout=3600,
+            timeout=args.max_ramp_s,
             on_progress=h.progress_printer("ramp", series),
         )
         doc["ramp_wall_s"] = got["wall_s"]
