@@ -289,12 +289,20 @@ def serve_postgres(settings: Settings) -> None:
             pwfile.unlink(missing_ok=True)
         with (data / "pg_hba.conf").open("a") as hba:
             hba.write("host all all 0.0.0.0/0 scram-sha-256\nhost all all ::/0 scram-sha-256\n")
-    database = (url.path or "/sandman").lstrip("/") or "sandman"
-    (data.parent / "database").write_text(database)
+        database = (url.path or "/sandman").lstrip("/") or "sandman"
+        if database not in ("postgres", "template1"):
+            # Single-user mode creates the URL's database before any server listens.
+            subprocess.run(
+                [str(bin_dir / "postgres"), "--single", "-D", str(data), "-F", "postgres"],
+                input=f'CREATE DATABASE "{database}";\n'.encode(),
+                check=True,
+                capture_output=True,
+            )
+    # argv[0] must be the real path: postgres finds its share/ and lib/ dirs from it.
     os.execv(  # noqa: S606  (exec on purpose: postgres becomes PID 1)
         str(bin_dir / "postgres"),
         [
-            "postgres",
+            str(bin_dir / "postgres"),
             "-D",
             str(data),
             "-p",

@@ -209,15 +209,15 @@ class Kube:
         )
 
     def ensure_namespace(self, name: str, *, timeout_s: float = 60.0) -> None:
-        """Create the namespace if needed and wait for its default ServiceAccount, without
-        which ServiceAccount admission rejects every pod (even with automount off)."""
-        with contextlib.suppress(KubeConflict):
-            call(
-                "create namespace",
-                self.core.create_namespace,
-                {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}},
-            )
+        """Make sure pods can be created in ``name``.
+
+        Reads the namespace's default ServiceAccount first (the least-privilege Role allows
+        exactly that), so an installed broker never needs cluster-wide rights; only when it
+        is missing does it create the namespace, then waits for the ServiceAccount, without
+        which ServiceAccount admission rejects every pod (even with automount off).
+        """
         deadline = time.monotonic() + timeout_s
+        created = False
         while True:
             try:
                 call(
@@ -228,6 +228,22 @@ class Kube:
                 )
                 return
             except KubeNotFound:
+                if not created:
+                    created = True
+                    try:
+                        call(
+                            "create namespace",
+                            self.core.create_namespace,
+                            {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}},
+                        )
+                    except KubeConflict:
+                        pass
+                    except KubeError as exc:
+                        raise KubeError(
+                            f"namespace {name} is not ready and the broker may not create it "
+                            f"({exc}); create it with the deploy manifests",
+                            status=exc.status,
+                        ) from exc
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.2)

@@ -90,7 +90,9 @@ def test_happy_path_on_the_real_node(provider, sessions, core_v1, settings):
     )
     lease = provider.create(sid, token)
     pod = core_v1.read_namespaced_pod(lease.pod_name, settings.namespace)
-    assert pod.spec.node_name == "sandman-real-0"
+    node = core_v1.read_node(pod.spec.node_name)
+    for key, value in REAL_NODE_SELECTOR.items():
+        assert node.metadata.labels.get(key) == value  # scheduled by the job's node selector
     assert pod.spec.enable_service_links is False
     assert pod.spec.automount_service_account_token is False
     limits, requests = (
