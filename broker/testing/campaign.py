@@ -29,7 +29,7 @@ from sqlalchemy import func, select
 from broker.backends.base import LABEL_INSTALLATION, LABEL_JOB, LABEL_NONCE
 from broker.db import make_engine, make_session_factory
 from broker.errors import SandmanError
-from broker.gc import run_gc
+from broker.gc import RECENT_S, run_gc
 from broker.kube.api import Kube, load_api_client
 from broker.kube.backend import KubeBackend
 from broker.ledger import store
@@ -273,15 +273,16 @@ def run_campaign(
                     progress(done, trials)
         proxy.clear()
         result.proxy_faults = dict(proxy.counts)
-        time.sleep(settings.create_lease_margin_s + 1)
+        # Recovery: let creating leases and the GC's race window pass, then ONE pass.
+        time.sleep(max(settings.create_lease_margin_s, RECENT_S) + 1)
         gc_provider = Provider(settings, sessions, KubeBackend.from_settings(settings), actor="gc")
         report = run_gc(gc_provider)
         result.gc_duration_s = report.duration_s
         after = run_gc(gc_provider, dry_run=True)
         result.unowned_after_gc = len([p for p in after.unowned_pods if p not in sentinel_names])
-        result.dangling_after_gc = len(after.dangling_rows) + sum(
-            1 for a in after.actions if a["why"] != "idle"
-        )
+        dangling = set(after.dangling_rows) | {
+            a["sandbox"] for a in after.actions if a["why"] != "idle"
+        }
         backend = KubeBackend(admin, installation=installation)
         result.pods_left = len(
             [
@@ -306,16 +307,16 @@ def run_campaign(
                 )
                 or 0
             )
-            live = s.scalar(
-                select(func.count())
-                .select_from(Sandbox)
-                .where(
-                    Sandbox.installation == installation,
-                    Sandbox.state != State.DELETED,
-                    Sandbox.state != State.FAILED,
+            dangling |= set(
+                s.scalars(
+                    select(Sandbox.id).where(
+                        Sandbox.installation == installation,
+                        Sandbox.state != State.DELETED,
+                        Sandbox.state != State.FAILED,
+                    )
                 )
             )
-            result.dangling_after_gc += int(live or 0)
+        result.dangling_after_gc = len(dangling)
         for name in sentinel_names:
             from contextlib import suppress
 
