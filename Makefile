@@ -15,7 +15,8 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-12)
 PYTEST_ARGS ?=
 
 .PHONY: host-deps venv demo up test lint format typecheck test-unit test-integration test-cluster \
-        cluster-up cluster-down services-up services-down clean-state
+        cluster-up cluster-down services-up services-down broker-image broker-image-import \
+        deploy-local kind-up kind-down bench-execd bench-broker bench-campaign bench-report
 
 venv: $(STAMP)
 
@@ -45,6 +46,34 @@ cluster-up:
 
 cluster-down:
 	deploy/localcluster/down.sh
+
+broker-image:
+	deploy/broker-image/build.sh
+
+broker-image-import: cluster-up
+	deploy/broker-image/build.sh --import
+
+deploy-local: broker-image-import
+	$(SANDMAN_CACHE_DIR)/k8s-v1.37.2/bin/kubectl --kubeconfig $(SANDMAN_STATE_DIR)/cluster/kubeconfig \
+	  apply --server-side -k deploy/k8s/overlays/localcluster
+
+kind-up:
+	deploy/kind/up.sh
+
+kind-down:
+	deploy/kind/up.sh --down
+
+bench-execd: venv
+	$(BIN)/python bench/execd_bench.py
+
+bench-broker: venv services-up
+	$(BIN)/python bench/broker_bench.py
+
+bench-campaign: venv services-up cluster-up
+	$(BIN)/python bench/fault_campaign.py --trials 1000
+
+bench-report: venv services-up cluster-up
+	$(BIN)/python bench/report.py
 
 lint: venv
 	$(BIN)/ruff check .
