@@ -37,7 +37,7 @@ BROKER_SA = f"system:serviceaccount:{SYSTEM_NS}:sandman-broker"
 BUILD_SCRIPT = REPO / "deploy" / "broker-image" / "build.sh"
 # Fixed in deploy/k8s/overlays/localcluster (host network on the real node).
 LC_REDIS_URL = "redis://:local-cluster-only@127.0.0.1:26379/0"
-LC_DATABASE_URL = "postgresql+psycopg://sandman:local-cluster-only@127.0.0.1:25432/postgres"
+LC_DATABASE_URL = "postgresql+psycopg://sandman:local-cluster-only@127.0.0.1:25432/sandman"
 LC_WEB = "http://127.0.0.1:28000"
 
 
