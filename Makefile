@@ -100,5 +100,6 @@ test-cluster: venv cluster-up
 
 # The whole suite: lint, services, the local cluster, then every tier.
 test: host-deps venv lint services-up cluster-up
+	$(BIN)/sandman db upgrade
 	$(BIN)/sandman db check
 	$(BIN)/pytest $(PYTEST_ARGS)

@@ -11,7 +11,7 @@ from sqlalchemy import select
 
 from broker.errors import SandmanError
 from broker.ledger import store
-from broker.ledger.models import Leak, utcnow
+from broker.ledger.models import Leak
 from web import leakops, params, stats
 from web.views import actor, services, wants_fragment
 
@@ -98,23 +98,11 @@ def act(leak_id: int, action: str) -> Any:
 
 def run_gc_pass(who: str, dry_run: bool) -> dict[str, Any]:
     """One GC pass as an operator; its report is kept in Redis for the page and /metrics."""
-    from broker.gc import run_gc
+    from broker.gc import run_gc, summarize
 
     svc = services()
     report = run_gc(svc.provider(who), dry_run=dry_run)
-    summary = {
-        "at": utcnow().isoformat(),
-        "by": who,
-        "dry_run": dry_run,
-        "duration_s": round(report.duration_s, 4),
-        "pods_seen": report.pods_seen,
-        "live_rows": report.live_rows,
-        "actions": len(report.actions),
-        "unowned_pods": len(report.unowned_pods),
-        "foreign_pods": len(report.foreign_pods),
-        "errors": len(report.errors),
-        "skipped_locked": report.skipped_locked,
-    }
+    summary = summarize(report, by=who)
     with svc.sessions.begin() as session:
         store.append_event(
             session,
