@@ -93,13 +93,16 @@ def test_insecure_no_auth_flag(tmp_path):
         d.stop()
 
 
-@pytest.mark.skipif(shutil.which("unshare") is None, reason="needs util-linux unshare")
 def test_as_pid_1_reaps_orphans_and_stops_on_sigterm(tmp_path):
+    from tests.conftest import unavailable
+
+    if shutil.which("unshare") is None:
+        unavailable("util-linux unshare", "not installed")  # fails under CI
     probe = subprocess.run(
         ["unshare", "--pid", "--fork", "--mount-proc", "true"], check=False, capture_output=True
     )
     if probe.returncode != 0:
-        pytest.skip("no permission for a PID namespace here")
+        unavailable("a PID namespace", probe.stderr.decode(errors="replace"))
     d = Daemon(tmp_path, wrapper=["unshare", "--pid", "--fork", "--mount-proc", "--kill-child"])
     try:
         c = d.client()

@@ -99,7 +99,6 @@ def test_capture_keeps_head_and_tail_and_true_count(chunks, cap):
         assert "bytes omitted" in c.text()
 
 
-@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 @settings(max_examples=30, deadline=None)
 @given(
     value=st.text(

@@ -12,12 +12,11 @@ import secrets
 from pathlib import Path
 
 import pytest
+import schemathesis
+from hypothesis import HealthCheck, given, settings
 
-schemathesis = pytest.importorskip("schemathesis")
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-
-from broker.settings import Settings  # noqa: E402
-from tests.fakes import FakeBackend  # noqa: E402
+from broker.settings import Settings
+from tests.fakes import FakeBackend
 
 pytestmark = pytest.mark.integration
 TOKEN = "admin-" + secrets.token_hex(16)
