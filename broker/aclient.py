@@ -29,13 +29,12 @@ from broker.client import (
     QUEUE_RELEASE,
     ExecResult,
     SandboxClient,
+    execd_answer,
     raise_payload_error,
     request_body,
 )
 from broker.errors import (
     AcquireTimeout,
-    ExecAuthError,
-    ExecError,
     InvalidRequest,
     SandboxLost,
     ServiceUnavailable,
@@ -70,19 +69,7 @@ class AsyncSandbox:
             raise SandboxLost(f"execd of {self.id} did not answer {path} in {timeout}s") from exc
         except httpx.TransportError as exc:
             raise SandboxLost(f"execd of {self.id} is unreachable: {exc}") from exc
-        try:
-            data: dict[str, Any] = resp.json()
-        except ValueError as exc:
-            raise SandboxLost(f"execd of {self.id} sent a non-JSON answer") from exc
-        if resp.status_code == 200:
-            return data
-        error = data.get("error") or {}
-        message = f"{path}: {error.get('code')}: {error.get('message')}"
-        if resp.status_code in (401, 403):
-            raise ExecAuthError(message, status=resp.status_code, error_code="auth")
-        if resp.status_code >= 500:
-            raise SandboxLost(message)
-        raise ExecError(message, status=resp.status_code, error_code=str(error.get("code")))
+        return execd_answer(resp, path, f"execd of {self.id}")
 
     async def exec(self, command: str, *, timeout: float = 60.0) -> ExecResult:
         data = await self._call("/v1/exec", {"command": command, "timeout": timeout}, timeout + 15)

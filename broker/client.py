@@ -125,6 +125,27 @@ def request_body(
     }
 
 
+def execd_answer(resp: httpx.Response, path: str, who: str) -> dict[str, Any]:
+    """Decode one execd reply; its error statuses become the typed tree.
+
+    401/403 is ExecAuthError, 5xx or a non-JSON body means the sandbox is lost (an
+    infrastructure failure), any other refusal is ExecError with execd's own code.
+    """
+    try:
+        data: dict[str, Any] = resp.json()
+    except ValueError as exc:
+        raise SandboxLost(f"{who} sent a non-JSON answer") from exc
+    if resp.status_code == 200:
+        return data
+    error = data.get("error") or {}
+    message = f"{path}: {error.get('code')}: {error.get('message')}"
+    if resp.status_code in (401, 403):
+        raise ExecAuthError(message, status=resp.status_code, error_code="auth")
+    if resp.status_code >= 500:
+        raise SandboxLost(message)
+    raise ExecError(message, status=resp.status_code, error_code=str(error.get("code")))
+
+
 class Sandbox:
     """One acquired sandbox: execd calls over a shared keep-alive HTTP pool."""
 
@@ -161,19 +182,7 @@ class Sandbox:
             raise SandboxLost(f"execd of {self.id} did not answer {path} in {timeout}s") from exc
         except httpx.TransportError as exc:
             raise SandboxLost(f"execd of {self.id} is unreachable: {exc}") from exc
-        try:
-            data: dict[str, Any] = resp.json()
-        except ValueError as exc:
-            raise SandboxLost(f"execd of {self.id} sent a non-JSON answer") from exc
-        if resp.status_code == 200:
-            return data
-        error = data.get("error") or {}
-        message = f"{path}: {error.get('code')}: {error.get('message')}"
-        if resp.status_code in (401, 403):
-            raise ExecAuthError(message, status=resp.status_code, error_code="auth")
-        if resp.status_code >= 500:
-            raise SandboxLost(message)
-        raise ExecError(message, status=resp.status_code, error_code=str(error.get("code")))
+        return execd_answer(resp, path, f"execd of {self.id}")
 
     def exec(
         self, command: str, *, timeout: float = 60.0, max_output_bytes: int | None = None

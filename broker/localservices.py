@@ -109,6 +109,28 @@ def _pg_run_as() -> dict[str, object]:
     return {"user": entry.pw_uid, "group": entry.pw_gid, "extra_groups": []}
 
 
+def _initdb(bin_dir: Path, data: Path, user: str, pwfile: Path, run_as: dict[str, object]) -> None:
+    """One initdb for both the embedded server and the container one: password auth only."""
+    subprocess.run(  # type: ignore[call-overload]
+        [
+            str(bin_dir / "initdb"),
+            "-D",
+            str(data),
+            "-U",
+            user,
+            "--pwfile",
+            str(pwfile),
+            "--auth-host=scram-sha-256",
+            "--auth-local=scram-sha-256",
+            "--encoding=UTF8",
+            "--no-instructions",
+        ],
+        check=True,
+        capture_output=True,
+        **run_as,
+    )
+
+
 def ensure_postgres(settings: Settings) -> str:
     """Init (once) and start the embedded PostgreSQL; idempotent. Returns its URL."""
     root = settings.state_dir / "postgres"
@@ -131,24 +153,7 @@ def ensure_postgres(settings: Settings) -> str:
         if run_as:
             os.chown(pwfile, int(str(run_as["user"])), int(str(run_as["group"])))
         try:
-            subprocess.run(
-                [
-                    str(bin_dir / "initdb"),
-                    "-D",
-                    str(data),
-                    "-U",
-                    "sandman",
-                    "--pwfile",
-                    str(pwfile),
-                    "--auth-host=scram-sha-256",
-                    "--auth-local=scram-sha-256",
-                    "--encoding=UTF8",
-                    "--no-instructions",
-                ],
-                check=True,
-                capture_output=True,
-                **run_as,  # type: ignore[call-overload]
-            )
+            _initdb(bin_dir, data, "sandman", pwfile, run_as)
         finally:
             pwfile.unlink(missing_ok=True)
     if not _port_open(port):
@@ -268,23 +273,7 @@ def serve_postgres(settings: Settings) -> None:
         pwfile = data.parent / ".pwfile"
         pwfile.write_text(unquote(url.password) + "\n")
         try:
-            subprocess.run(
-                [
-                    str(bin_dir / "initdb"),
-                    "-D",
-                    str(data),
-                    "-U",
-                    url.username,
-                    "--pwfile",
-                    str(pwfile),
-                    "--auth-host=scram-sha-256",
-                    "--auth-local=scram-sha-256",
-                    "--encoding=UTF8",
-                    "--no-instructions",
-                ],
-                check=True,
-                capture_output=True,
-            )
+            _initdb(bin_dir, data, url.username, pwfile, {})
         finally:
             pwfile.unlink(missing_ok=True)
         with (data / "pg_hba.conf").open("a") as hba:

@@ -13,8 +13,8 @@ from typing import Any
 
 import httpx
 
-from broker.client import ExecResult
-from broker.errors import ExecAuthError, ExecError, SandboxLost
+from broker.client import ExecResult, execd_answer
+from broker.errors import SandboxLost
 
 
 class DirectSandbox:
@@ -35,20 +35,9 @@ class DirectSandbox:
     def _call(self, path: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
         try:
             resp = self._http.post(self._base + path, json=body, timeout=timeout)
-            data: dict[str, Any] = resp.json()
         except httpx.HTTPError as exc:
             raise SandboxLost(f"execd at {self._base} failed on {path}: {exc}") from exc
-        except ValueError as exc:
-            raise SandboxLost(f"execd at {self._base} sent a non-JSON answer") from exc
-        if resp.status_code == 200:
-            return data
-        error = data.get("error") or {}
-        message = f"{path}: {error.get('code')}: {error.get('message')}"
-        if resp.status_code in (401, 403):
-            raise ExecAuthError(message, status=resp.status_code, error_code="auth")
-        if resp.status_code >= 500:
-            raise SandboxLost(message)
-        raise ExecError(message, status=resp.status_code, error_code=str(error.get("code")))
+        return execd_answer(resp, path, f"execd at {self._base}")
 
     def exec(
         self, command: str, *, timeout: float = 60.0, max_output_bytes: int | None = None
