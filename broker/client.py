@@ -157,8 +157,6 @@ class Sandbox:
         self.released = False
         self._base = f"http://{lease.address}"
         self._headers = {"Authorization": f"Bearer {lease.token}"}
-        self._stop = threading.Event()
-        self._beat: threading.Thread | None = None
 
     def __repr__(self) -> str:
         return f"Sandbox({self.id!r}, address={self.lease.address!r}, warm={self.lease.warm})"
@@ -226,23 +224,71 @@ class Sandbox:
     # -- lease -------------------------------------------------------------------------
 
     def start_heartbeat(self, interval_s: float) -> None:
-        def beat() -> None:
-            while not self._stop.wait(interval_s):
-                with contextlib.suppress(Exception):
-                    self.client.send(
-                        "sandman.heartbeat", [self.id, self.client.owner], QUEUE_RELEASE
-                    )
-
-        self._beat = threading.Thread(target=beat, name=f"heartbeat-{self.id}", daemon=True)
-        self._beat.start()
+        self.client.heartbeats.add(self.id, interval_s)
 
     def release(self) -> None:
         """Idempotent: queue the release (checked reuse or delete happens in a worker)."""
         if self.released:
             return
         self.released = True
-        self._stop.set()
+        self.client.heartbeats.remove(self.id)
         self.client.send("sandman.release", [self.id, "released"], QUEUE_RELEASE)
+
+
+class Heartbeats:
+    """One thread per client renews every lease it holds.
+
+    A thread per sandbox would mean thousands of threads for a trainer holding a large
+    rollout group; here due renewals are collected and sent as one pipelined batch.
+    """
+
+    def __init__(self, client: SandboxClient) -> None:
+        self.client = client
+        self._next: dict[str, tuple[float, float]] = {}  # id -> (due, interval)
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    def add(self, sandbox_id: str, interval_s: float) -> None:
+        with self._lock:
+            self._next[sandbox_id] = (time.monotonic() + interval_s, interval_s)
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="sandman-heartbeats", daemon=True
+                )
+                self._thread.start()
+        self._wake.set()
+
+    def remove(self, sandbox_id: str) -> None:
+        with self._lock:
+            self._next.pop(sandbox_id, None)
+
+    def held(self) -> int:
+        with self._lock:
+            return len(self._next)
+
+    def close(self) -> None:
+        self._closed = True
+        self._wake.set()
+
+    def _run(self) -> None:
+        while not self._closed:
+            now = time.monotonic()
+            with self._lock:
+                due = [sid for sid, (at, _) in self._next.items() if at <= now]
+                for sid in due:
+                    self._next[sid] = (now + self._next[sid][1], self._next[sid][1])
+                soonest = min((at for at, _ in self._next.values()), default=now + 60.0)
+            if due:
+                with contextlib.suppress(Exception):  # the next round retries
+                    self.client.send_many(
+                        "sandman.heartbeat",
+                        [[sid, self.client.owner] for sid in due],
+                        QUEUE_RELEASE,
+                    )
+            self._wake.wait(max(0.05, min(soonest - time.monotonic(), 60.0)))
+            self._wake.clear()
 
 
 class SandboxClient:
@@ -284,6 +330,7 @@ class SandboxClient:
             task_ignore_result=True,
             broker_connection_retry_on_startup=True,
         )
+        self.heartbeats = Heartbeats(self)
         # Ledger hand-outs of warm hits are sent off the trainer's critical path.
         self._later: queue.SimpleQueue[tuple[str, list[Any], str] | None] = queue.SimpleQueue()
         self._sender = threading.Thread(target=self._send_later, name="sandman-send", daemon=True)
@@ -304,6 +351,7 @@ class SandboxClient:
         return cls(url, **kwargs)
 
     def close(self) -> None:
+        self.heartbeats.close()
         self._later.put(None)
         self._sender.join(timeout=10)
         self.http.close()
@@ -314,6 +362,18 @@ class SandboxClient:
             self.celery.send_task(name, args=args, queue=queue)
         except Exception as exc:  # kombu/redis errors: the broker side is unreachable
             raise ServiceUnavailable(f"cannot enqueue {name}: {exc}") from exc
+
+    def send_many(self, name: str, argsets: list[list[Any]], queue: str) -> None:
+        """Enqueue many tasks in pipelined Redis round trips (kombu publish batches).
+
+        A rollout group or a burst of a thousand acquires costs a few round trips instead
+        of one per message, so the whole burst is queued well inside a second."""
+        try:
+            with self.celery.producer_or_acquire() as producer, producer.batch(max_size=500):
+                for args in argsets:
+                    self.celery.send_task(name, args=args, queue=queue, producer=producer)
+        except Exception as exc:
+            raise ServiceUnavailable(f"cannot enqueue {len(argsets)} x {name}: {exc}") from exc
 
     # -- acquire -----------------------------------------------------------------------
 
@@ -377,10 +437,11 @@ class SandboxClient:
             for request in requests:
                 sandbox = self._claim_warm(request)
                 if sandbox is None:
-                    self.send("sandman.acquire", [request], QUEUE_ACQUIRE)
                     pending.append(request)
                 else:
                     got.append(self._started(sandbox))
+            if pending:
+                self.send_many("sandman.acquire", [[r] for r in pending], QUEUE_ACQUIRE)
             for request in pending:
                 got.append(self._started(self._wait(request)))
             yield got

@@ -36,7 +36,7 @@ from broker.errors import (
 )
 from broker.execd_probe import execd_answers
 from broker.ledger import store
-from broker.ledger.models import Job, Sandbox, utcnow
+from broker.ledger.models import Job, Sandbox, new_id, utcnow
 from broker.ledger.states import State
 from broker.provider_api import AcquireSpec, Lease
 from broker.settings import Settings
@@ -87,8 +87,17 @@ class Provider:
                 if existing is not None:
                     return existing.id, self.token_for(existing)
             job = store.get_job(session, spec.job)
+            sandbox_id, nonce = new_id(), store.new_nonce()
+            token = derive_token(self._key, sandbox_id, nonce)
+            margin = self.settings.create_lease_margin_s
             row = store.new_intent(
                 session,
+                sandbox_id=sandbox_id,
+                nonce=nonce,
+                owner=spec.owner,
+                token_hash=store.hash_token(token),
+                # The creating lease bounds how long a dead worker can hold the row.
+                lease_expires_at=utcnow() + dt.timedelta(seconds=job.readiness_budget_s + margin),
                 job=job.name,
                 installation=self.settings.installation_id,
                 namespace=self.settings.namespace,
@@ -105,12 +114,7 @@ class Provider:
                 enqueued_at=spec.enqueued_at,
                 actor=self.actor,
             )
-            row.owner = spec.owner
-            row.token_hash = store.hash_token(self.token_for(row))
-            # The creating lease bounds how long a dead worker can hold the row.
-            margin = self.settings.create_lease_margin_s
-            row.lease_expires_at = utcnow() + dt.timedelta(seconds=job.readiness_budget_s + margin)
-            result = row.id, self.token_for(row)
+            result = row.id, token
         self._failpoint("after-intent")
         return result
 
@@ -139,17 +143,25 @@ class Provider:
             row.create_attempts += 1
             spec = self._pod_spec(row, job, token, workdir, env or {})
             budget = job.readiness_budget_s
+            allow = list(job.egress_allow or [])
         self._failpoint("after-creating-commit")
+        # Audit rows of a create that went through are written with the ready (or
+        # failure) commit instead of a transaction each: the API calls are timed here.
+        audit: list[dict[str, object]] = []
         try:
-            self._ensure_guards(spec)
-            info = self._submit(spec)
+            self._ensure_guards(spec, allow)
+            sent = time.monotonic()
+            info = self._submit(spec, audit)
             self._failpoint("after-create-sent")
             info = self._await_ready(spec, token, budget, started, give_up)
+            audit.append(
+                {"action": "ready", "outcome": "observed", "api_s": time.monotonic() - sent}
+            )
             self._failpoint("before-ready-commit")
         except BaseException as exc:
-            self._settle_failure(sandbox_id, spec, exc)
+            self._settle_failure(sandbox_id, spec, exc, audit)
             raise
-        return self._mark_ready(sandbox_id, token, info, started, give_up)
+        return self._mark_ready(sandbox_id, token, info, started, give_up, audit=audit)
 
     def _pod_spec(
         self, row: Sandbox, job: Job, token: str, workdir: str, env: dict[str, str]
@@ -174,22 +186,28 @@ class Provider:
             simulated_readiness=bool((job.node_selector or {}).get("type") == "kwok"),
         )
 
-    def _ensure_guards(self, spec: PodSpec) -> None:
+    def _ensure_guards(self, spec: PodSpec, allow: list[str]) -> None:
         self.backend.ensure_job_owner(spec.namespace, spec.job)
         if spec.egress_denied:
-            with self.sessions() as session:
-                allow = list(store.get_job(session, spec.job).egress_allow or [])
             self.backend.ensure_egress_guard(spec.namespace, spec.job, allow)
             if not self.backend.has_egress_guard(spec.namespace, spec.job):
                 raise GuardMissing(f"job {spec.job} denies egress but its policy is missing")
 
-    def _submit(self, spec: PodSpec) -> PodInfo:
+    def _submit(self, spec: PodSpec, audit: list[dict[str, object]]) -> PodInfo:
         """Create the pod; settle conflicts and unknown outcomes by nonce read-back."""
         delay = 0.2
         for attempt in range(1, MAX_CREATE_ATTEMPTS + 1):
             try:
+                sent = time.monotonic()
                 info = self.backend.create(spec)
-                self._api_event(spec, "create", "created", attempt=attempt)
+                audit.append(
+                    {
+                        "action": "create",
+                        "outcome": "created",
+                        "attempt": attempt,
+                        "api_s": time.monotonic() - sent,
+                    }
+                )
                 return info
             except KubeConflict:
                 outcome = "conflict"
@@ -269,9 +287,12 @@ class Provider:
         info: PodInfo,
         started: float,
         give_up: threading.Event | None,
+        *,
+        audit: list[dict[str, object]],
     ) -> Lease:
         with self.sessions.begin() as session:
             row = self._locked(session, sandbox_id)
+            self._write_audit(session, row, audit)
             job = store.get_job(session, row.job)
             cancelled = row.state == State.RELEASING or (give_up is not None and give_up.is_set())
             if not cancelled:
@@ -297,11 +318,14 @@ class Provider:
     def _simulated(job: Job) -> bool:
         return bool((job.node_selector or {}).get("type") == "kwok")
 
-    def _settle_failure(self, sandbox_id: str, spec: PodSpec, exc: BaseException) -> None:
+    def _settle_failure(
+        self, sandbox_id: str, spec: PodSpec, exc: BaseException, audit: list[dict[str, object]]
+    ) -> None:
         """After any failure in create, the pod (if any) is deleted: no window leaks one."""
         foreign = isinstance(exc, CreateFailed) and "not ours" in str(exc)
         with self.sessions.begin() as session:
             row = self._locked(session, sandbox_id)
+            self._write_audit(session, row, audit)
             if row.state in (State.CREATING, State.REQUESTED):
                 target = State.FAILED if foreign else State.RELEASING
                 store.transition(
@@ -389,11 +413,8 @@ class Provider:
         try:
             self.backend.delete(namespace, name, nonce)
             self._failpoint("after-delete-sent")
-            deadline = time.monotonic() + DELETE_CONFIRM_S
-            while self.backend.get(namespace, name) is not None:
-                if time.monotonic() > deadline:
-                    raise KubeUnavailable(f"{name} still present after {DELETE_CONFIRM_S}s")
-                self._sleep(0.2)
+            if not self.backend.wait_gone(namespace, name, DELETE_CONFIRM_S):
+                raise KubeUnavailable(f"{name} still present after {DELETE_CONFIRM_S}s")
         except KubeError as exc:
             error = f"{type(exc).__name__}: {exc}"
         with self.sessions.begin() as session:
@@ -436,6 +457,19 @@ class Provider:
             acquire_latency_s=row.acquire_latency_s,
             create_to_ready_s=row.create_to_ready_s,
         )
+
+    def _write_audit(self, session: Session, row: Sandbox, audit: list[dict[str, object]]) -> None:
+        for item in audit:
+            detail = {k: v for k, v in item.items() if k not in ("action", "outcome")}
+            store.append_event(
+                session,
+                row,
+                kind="api",
+                action=str(item["action"]),
+                outcome=str(item["outcome"]),
+                actor=self.actor,
+                detail=detail,
+            )
 
     def _api_event(self, spec: PodSpec, action: str, outcome: str, **detail: object) -> None:
         with self.sessions.begin() as session:

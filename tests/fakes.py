@@ -87,6 +87,9 @@ class FakeBackend:
     def list_installation(self, namespace: str, installation: str) -> list[PodInfo]:
         return [p for p in self.pods.values() if p.installation == installation]
 
+    def wait_gone(self, namespace: str, name: str, timeout_s: float) -> bool:
+        return self.get(namespace, name) is None
+
     def list_all_labelled(self, namespace: str) -> list[PodInfo]:
         return [p for p in self.pods.values() if p.nonce]
 

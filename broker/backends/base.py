@@ -132,3 +132,6 @@ class Backend(Protocol):
 
     def watch_ready(self, namespace: str, names: set[str], timeout_s: float) -> Iterator[PodInfo]:
         """Yield pod read-backs as they change, until ``timeout_s`` passes."""
+
+    def wait_gone(self, namespace: str, name: str, timeout_s: float) -> bool:
+        """True once the pod no longer exists; False if it is still there at the timeout."""

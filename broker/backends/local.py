@@ -330,6 +330,15 @@ class LocalBackend:
     def list_all_labelled(self, namespace: str) -> list[PodInfo]:
         return [self._info(m, probe=False) for m in self._all() if m.get("namespace") == namespace]
 
+    def wait_gone(self, namespace: str, name: str, timeout_s: float) -> bool:
+        """Poll (20 ms): a local sandbox is gone once its process and state are."""
+        deadline = time.monotonic() + timeout_s
+        while self.get(namespace, name) is not None:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.02)
+        return True
+
     def watch_ready(self, namespace: str, names: set[str], timeout_s: float) -> Iterator[PodInfo]:
         """Poll (20 ms) until every named pod is ready or failed, or the timeout passes."""
         deadline = time.monotonic() + timeout_s

@@ -9,12 +9,13 @@ so a POST is never silently replayed underneath the ownership protocol.
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import urllib3
-from kubernetes import client, config, watch
+from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
 from broker.errors import (
@@ -71,8 +72,6 @@ def translate(exc: BaseException, what: str) -> KubeError:
 
 
 def _reason_message(exc: ApiException) -> str:
-    import json
-
     try:
         return str(json.loads(exc.body or "{}").get("message", ""))[:500]
     except (ValueError, AttributeError):
@@ -91,6 +90,44 @@ def call(what: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         raise translate(exc, what) from exc
 
 
+def call_json(what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> dict[str, Any]:
+    """Like ``call`` but returns the response body as plain JSON.
+
+    The generated client's model deserialization (and ``sanitize`` back to dicts) cost
+    about 57 ms of CPU per pod create in the scale profile; the broker only ever wants
+    dicts, so it asks for the raw body and parses it once.
+    """
+    kwargs.setdefault("_request_timeout", REQUEST_TIMEOUT)
+    try:
+        resp = fn(*args, _preload_content=False, **kwargs)
+        try:
+            data = resp.data
+        finally:
+            resp.release_conn()
+    except (ApiException, *_TRANSPORT) as exc:
+        raise translate(exc, what) from exc
+    try:
+        parsed = json.loads(data)
+    except ValueError as exc:
+        raise KubeUnavailable(f"{what}: response is not JSON") from exc
+    if not isinstance(parsed, dict):
+        raise KubeUnavailable(f"{what}: response is not a JSON object")
+    return parsed
+
+
+def _json_lines(resp: Any) -> Iterator[dict[str, Any]]:
+    """Parse a watch stream (one JSON object per line) without the client's models."""
+    pending = b""
+    for chunk in resp.stream(amt=None, decode_content=True):
+        pending += chunk
+        *lines, pending = pending.split(b"\n")
+        for line in lines:
+            if line.strip():
+                yield json.loads(line)
+    if pending.strip():
+        yield json.loads(pending)
+
+
 class Kube:
     """Thin typed facade over the few API groups the broker uses."""
 
@@ -99,16 +136,12 @@ class Kube:
         self.core = client.CoreV1Api(api_client)
         self.net = client.NetworkingV1Api(api_client)
 
-    def sanitize(self, obj: Any) -> dict[str, Any]:
-        result: dict[str, Any] = self.api_client.sanitize_for_serialization(obj)
-        return result
-
     def create_pod(self, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
-        return self.sanitize(call("create pod", self.core.create_namespaced_pod, namespace, body))
+        return call_json("create pod", self.core.create_namespaced_pod, namespace, body)
 
     def get_pod(self, namespace: str, name: str) -> dict[str, Any] | None:
         try:
-            return self.sanitize(call("read pod", self.core.read_namespaced_pod, name, namespace))
+            return call_json("read pod", self.core.read_namespaced_pod, name, namespace)
         except KubeNotFound:
             return None
 
@@ -119,7 +152,7 @@ class Kube:
             propagation_policy="Background",
             preconditions=client.V1Preconditions(uid=uid) if uid else None,
         )
-        call("delete pod", self.core.delete_namespaced_pod, name, namespace, body=options)
+        call_json("delete pod", self.core.delete_namespaced_pod, name, namespace, body=options)
 
     def list_pods(self, namespace: str, selector: str) -> tuple[list[dict[str, Any]], str]:
         """All pods matching ``selector`` (paged), and the list's resourceVersion."""
@@ -127,7 +160,7 @@ class Kube:
         token: str | None = None
         version = ""
         while True:
-            page = call(
+            data = call_json(
                 "list pods",
                 self.core.list_namespaced_pod,
                 namespace,
@@ -135,12 +168,18 @@ class Kube:
                 limit=2000,
                 _continue=token,
             )
-            data = self.sanitize(page)
             items.extend(data.get("items") or [])
             version = (data.get("metadata") or {}).get("resourceVersion", "")
             token = (data.get("metadata") or {}).get("continue")
             if not token:
                 return items, version
+
+    def current_version(self, namespace: str, selector: str) -> str:
+        """The resourceVersion a watch can start from, without listing every pod."""
+        data = call_json(
+            "list pods", self.core.list_namespaced_pod, namespace, label_selector=selector, limit=1
+        )
+        return str((data.get("metadata") or {}).get("resourceVersion", ""))
 
     def watch_pods(
         self,
@@ -151,11 +190,14 @@ class Kube:
         resource_version: str = "",
         timeout_s: float = 5.0,
     ) -> Iterator[tuple[str, dict[str, Any]]]:
-        """Yield (event type, pod) until timeout; raises KubeError(410) when too old."""
-        w = watch.Watch()
+        """Yield (event type, pod) until timeout; raises KubeError(410) when too old.
+
+        BOOKMARK events are passed on (they carry only a newer resourceVersion)."""
         kwargs: dict[str, Any] = {
+            "watch": True,
             "timeout_seconds": max(1, int(timeout_s)),
             "_request_timeout": (5.0, timeout_s + 5.0),
+            "_preload_content": False,
         }
         if field_selector:
             kwargs["field_selector"] = field_selector
@@ -164,48 +206,52 @@ class Kube:
         if resource_version:
             kwargs["resource_version"] = resource_version
             kwargs["allow_watch_bookmarks"] = True
+        resp: Any = None  # a urllib3 response: _preload_content=False
         try:
-            for event in w.stream(self.core.list_namespaced_pod, namespace, **kwargs):
+            resp = self.core.list_namespaced_pod(namespace, **kwargs)
+            for event in _json_lines(resp):
                 kind = event.get("type", "")
                 obj = event.get("object")
+                raw = obj if isinstance(obj, dict) else {}
                 if kind == "ERROR":
-                    raw = obj if isinstance(obj, dict) else {}
                     raise KubeError(
                         f"watch error: {raw.get('message', '')}",
                         status=int(raw.get("code", 0) or 0),
                     )
-                if kind == "BOOKMARK":
-                    continue
-                yield kind, self.sanitize(obj)
+                yield kind, raw
         except (ApiException, *_TRANSPORT) as exc:
             raise translate(exc, "watch pods") from exc
+        except ValueError as exc:
+            raise KubeUnavailable(f"watch pods: malformed event: {exc}") from exc
         finally:
-            w.stop()
+            if resp is not None:
+                resp.close()
+                resp.release_conn()
 
     def get_configmap(self, namespace: str, name: str) -> dict[str, Any] | None:
         try:
-            return self.sanitize(
-                call("read configmap", self.core.read_namespaced_config_map, name, namespace)
+            return call_json(
+                "read configmap", self.core.read_namespaced_config_map, name, namespace
             )
         except KubeNotFound:
             return None
 
     def create_configmap(self, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
-        return self.sanitize(
-            call("create configmap", self.core.create_namespaced_config_map, namespace, body)
+        return call_json(
+            "create configmap", self.core.create_namespaced_config_map, namespace, body
         )
 
     def get_network_policy(self, namespace: str, name: str) -> dict[str, Any] | None:
         try:
-            return self.sanitize(
-                call("read networkpolicy", self.net.read_namespaced_network_policy, name, namespace)
+            return call_json(
+                "read networkpolicy", self.net.read_namespaced_network_policy, name, namespace
             )
         except KubeNotFound:
             return None
 
     def create_network_policy(self, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
-        return self.sanitize(
-            call("create networkpolicy", self.net.create_namespaced_network_policy, namespace, body)
+        return call_json(
+            "create networkpolicy", self.net.create_namespaced_network_policy, namespace, body
         )
 
     def ensure_namespace(self, name: str, *, timeout_s: float = 60.0) -> None:

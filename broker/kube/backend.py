@@ -1,14 +1,16 @@
 """Kubernetes implementation of the Backend seam.
 
 Deletes carry a UID precondition taken from a nonce-checked read, so the broker can only
-ever delete the exact pod object it proved to be its own. Readiness comes from a watch
-(re-listed on 410 Gone), not per-pod polling.
+ever delete the exact pod object it proved to be its own. Readiness and delete
+confirmation come from one shared watch per process (``broker.kube.watcher``), not
+per-pod polling or per-pod watches.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -17,6 +19,7 @@ from broker.backends.base import LABEL_INSTALLATION, LABEL_NONCE, PodInfo, PodSp
 from broker.errors import KubeConflict, KubeError, KubeNotFound, OwnershipError
 from broker.kube import podspec
 from broker.kube.api import Kube, load_api_client
+from broker.kube.watcher import PodWatch
 from broker.settings import Settings
 
 
@@ -69,6 +72,9 @@ def pod_info(pod: dict[str, Any], port: int) -> PodInfo:
     )
 
 
+GUARD_TTL_S = 5.0
+
+
 class KubeBackend:
     """Pods in one namespace of a real cluster."""
 
@@ -80,6 +86,9 @@ class KubeBackend:
         self.port = execd_port
         self._owners: dict[tuple[str, str], str] = {}
         self._execd: dict[str, tuple[str, list[str]]] = {}
+        self._watches: dict[str, PodWatch] = {}
+        self._guards: dict[tuple[str, str], float] = {}  # verified until (monotonic)
+        self._watch_lock = threading.Lock()
 
     @classmethod
     def from_settings(cls, settings: Settings) -> KubeBackend:
@@ -128,6 +137,8 @@ class KubeBackend:
         return self._owners[key]
 
     def ensure_egress_guard(self, namespace: str, job: str, allow: list[str]) -> None:
+        if self._guard_fresh(namespace, job):
+            return
         if self.kube.get_network_policy(namespace, podspec.egress_policy_name(job)) is None:
             with contextlib.suppress(KubeConflict):
                 self.kube.create_network_policy(
@@ -135,8 +146,18 @@ class KubeBackend:
                 )
 
     def has_egress_guard(self, namespace: str, job: str) -> bool:
+        """Read back from the API server; a positive answer is trusted for GUARD_TTL_S,
+        so a burst of creates costs one read per job, not two per pod."""
+        if self._guard_fresh(namespace, job):
+            return True
         name = podspec.egress_policy_name(job)
-        return self.kube.get_network_policy(namespace, name) is not None
+        present = self.kube.get_network_policy(namespace, name) is not None
+        if present:
+            self._guards[(namespace, job)] = time.monotonic() + GUARD_TTL_S
+        return present
+
+    def _guard_fresh(self, namespace: str, job: str) -> bool:
+        return self._guards.get((namespace, job), 0.0) > time.monotonic()
 
     # -- pods --------------------------------------------------------------------------
 
@@ -146,6 +167,7 @@ class KubeBackend:
         body = podspec.pod_manifest(
             spec, execd_configmap=execd_name, execd_keys=keys, port=self.port, owner_uid=owner_uid
         )
+        self._watch(spec.namespace)  # following before the POST: its events are not missed
         try:
             return pod_info(self.kube.create_pod(spec.namespace, body), self.port)
         except KubeNotFound:
@@ -180,46 +202,38 @@ class KubeBackend:
         pods, _ = self.kube.list_pods(namespace, LABEL_NONCE)
         return [pod_info(p, self.port) for p in pods]
 
-    def watch_ready(self, namespace: str, names: set[str], timeout_s: float) -> Iterator[PodInfo]:
-        """Current state first, then changes from a watch; 410 Gone means re-read."""
-        deadline = time.monotonic() + timeout_s
-        for name in names:
-            pod = self.kube.get_pod(namespace, name)
-            if pod is None:
-                yield PodInfo(
-                    name=name,
-                    namespace=namespace,
-                    labels={},
-                    phase="Failed",
-                    ready=False,
-                    reason="Deleted",
-                )
-                continue
-            yield pod_info(pod, self.port)
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return
-            version = (pod.get("metadata") or {}).get("resourceVersion", "")
-            try:
-                for kind, obj in self.kube.watch_pods(
+    def _watch(self, namespace: str) -> PodWatch:
+        with self._watch_lock:
+            watch = self._watches.get(namespace)
+            if watch is None:
+                watch = PodWatch(
+                    self.kube,
                     namespace,
-                    field_selector=f"metadata.name={name}",
-                    resource_version=version,
-                    timeout_s=remaining,
-                ):
-                    if kind == "DELETED":
-                        yield PodInfo(
-                            name=name,
-                            namespace=namespace,
-                            labels={},
-                            phase="Failed",
-                            ready=False,
-                            reason="Deleted",
-                        )
-                        return
-                    yield pod_info(obj, self.port)
-                    if time.monotonic() >= deadline:
-                        return
-            except KubeError as exc:
-                if exc.status != 410:
-                    raise
+                    f"{LABEL_INSTALLATION}={self.installation}",
+                    lambda pod: pod_info(pod, self.port),
+                )
+                self._watches[namespace] = watch
+            return watch
+
+    def watch_ready(self, namespace: str, names: set[str], timeout_s: float) -> Iterator[PodInfo]:
+        """Current state first, then changes, from the process's shared pod watch."""
+        deadline = time.monotonic() + timeout_s
+        watch = self._watch(namespace)
+        for name in sorted(names):
+            for info in watch.follow(name, deadline, lambda n: self.get(namespace, n)):
+                yield info if info is not None else _deleted(namespace, name)
+
+    def wait_gone(self, namespace: str, name: str, timeout_s: float) -> bool:
+        return self._watch(namespace).wait_gone(name, timeout_s, lambda n: self.get(namespace, n))
+
+    def close(self) -> None:
+        with self._watch_lock:
+            for watch in self._watches.values():
+                watch.close()
+            self._watches.clear()
+
+
+def _deleted(namespace: str, name: str) -> PodInfo:
+    return PodInfo(
+        name=name, namespace=namespace, labels={}, phase="Failed", ready=False, reason="Deleted"
+    )

@@ -65,9 +65,17 @@ def ensure_job(session: Session, name: str, **config: Any) -> Job:
     return job
 
 
+def new_nonce() -> str:
+    return secrets.token_hex(16)
+
+
 def new_intent(
     session: Session,
     *,
+    sandbox_id: str | None = None,
+    nonce: str | None = None,
+    owner: str | None = None,
+    lease_expires_at: dt.datetime | None = None,
     job: str,
     installation: str,
     namespace: str,
@@ -85,14 +93,19 @@ def new_intent(
     enqueued_at: dt.datetime | None = None,
     actor: str = "broker",
 ) -> Sandbox:
-    """Add the intent row (state ``requested``) with a fresh nonce; the caller commits."""
-    sandbox_id = new_id()
+    """Add the intent row (state ``requested``) with a fresh nonce; the caller commits.
+
+    Every field is set before the one INSERT (id and nonce may be chosen by the caller,
+    who derives the token from them), so an intent costs no follow-up UPDATE."""
+    sandbox_id = sandbox_id or new_id()
     row = Sandbox(
         id=sandbox_id,
+        owner=owner,
+        lease_expires_at=lease_expires_at,
         job=job,
         installation=installation,
         request_id=request_id,
-        nonce=secrets.token_hex(16),
+        nonce=nonce or new_nonce(),
         pod_name=pod_name_for(sandbox_id),
         namespace=namespace,
         backend=backend,

@@ -278,3 +278,69 @@ def test_short_fault_campaign_keeps_every_invariant(kubeconfig_path, database_ur
     print(result.summary())
     assert result.ok, result.summary()
     assert result.trials == 24 and result.pods_created > 0
+
+
+def test_readiness_and_deletes_come_from_one_shared_watch(
+    provider, sessions, settings, kubeconfig_path, tmp_path
+):
+    """No per-pod watch and (nearly) no per-pod GET: one stream serves every waiter."""
+    proxy = FaultProxy.from_kubeconfig(kubeconfig_path).start()
+    try:
+        one_pod = proxy.add(Rule("observe-get", "GET", r"/pods/sm-[^/]+$", times=None))
+        lists = proxy.add(Rule("observe-list", "GET", r"/pods$", times=None))
+        proxied = Settings(
+            **{**settings.__dict__, "kubeconfig": str(proxy.write_kubeconfig(tmp_path / "p.kcfg"))}
+        )
+        backend = KubeBackend.from_settings(proxied)
+        p = Provider(proxied, sessions, backend)
+        n = 6
+        for _ in range(n):
+            sid, token = p.intent(kwok_spec())
+            lease = p.create(sid, token)
+            assert lease.address
+            p.release(sid)
+            assert state_of(sessions, sid) == State.DELETED
+        # delete() reads the pod once to check its nonce: n reads are the protocol's own.
+        assert one_pod.hits <= n + n // 2, proxy.counts
+        assert lists.hits <= 4, proxy.counts  # one version list + one watch (+ a renewal)
+        backend.close()
+    finally:
+        proxy.stop()
+
+
+def test_waiters_recover_when_the_shared_watch_is_cut(
+    provider, sessions, settings, kubeconfig_path, tmp_path
+):
+    """Connections (the shared watch among them) are cut twice while creates are in flight:
+    every create still ends ready, and nothing is left behind after release."""
+    proxy = FaultProxy.from_kubeconfig(kubeconfig_path).start()
+    try:
+        proxied = Settings(
+            **{**settings.__dict__, "kubeconfig": str(proxy.write_kubeconfig(tmp_path / "p.kcfg"))}
+        )
+        backend = KubeBackend.from_settings(proxied)
+        p = Provider(proxied, sessions, backend)
+        rows = [p.intent(kwok_spec()) for _ in range(4)]
+        results: dict[str, object] = {}
+
+        def create(sid: str, token: str) -> None:
+            try:
+                results[sid] = p.create(sid, token)
+            except SandmanError as exc:
+                results[sid] = exc
+
+        timers = [threading.Timer(t, proxy.blackout, args=(0.5,)) for t in (0.2, 1.0)]
+        workers = [threading.Thread(target=create, args=row) for row in rows]
+        for t in timers + workers:
+            t.start()
+        for t in timers + workers:
+            t.join(120)
+        assert proxy.counts.get("blackout") == 2
+        assert all(state_of(sessions, sid) == State.READY for sid, _ in rows), results
+        for sid, _ in rows:
+            p.release(sid)
+            assert state_of(sessions, sid) == State.DELETED
+        assert not pods_of(provider)
+        backend.close()
+    finally:
+        proxy.stop()

@@ -320,11 +320,19 @@ def test_group_acquire_and_heartbeat(stack: Settings, sessions: Any) -> None:
         with c.acquire_many(3, image=IMAGE, job=job, timeout=30) as group:
             assert len({sb.id for sb in group}) == 3
             with sessions() as session:
-                before = session.get(Sandbox, group[0].id).lease_expires_at  # type: ignore[union-attr]
+                before = [session.get(Sandbox, sb.id).lease_expires_at for sb in group]  # type: ignore[union-attr]
             time.sleep(1.2)
             with sessions() as session:
-                after = session.get(Sandbox, group[0].id).lease_expires_at  # type: ignore[union-attr]
-            assert before is not None and after is not None and after > before
+                after = [session.get(Sandbox, sb.id).lease_expires_at for sb in group]  # type: ignore[union-attr]
+            assert all(
+                b is not None and a is not None and a > b
+                for b, a in zip(before, after, strict=True)
+            )
+            # One renewal thread serves the whole group, not one thread per sandbox.
+            assert c.heartbeats.held() == 3
+            beaters = [t for t in threading.enumerate() if t.name == "sandman-heartbeats"]
+            assert len(beaters) == 1
+        assert c.heartbeats.held() == 0
         for sb in group:
             _wait_state(sessions, sb.id, State.DELETED)
     finally:
