@@ -103,7 +103,9 @@ def main() -> int:
             errors=len(errors),
             error_samples=errors[:10],
             api_outcomes=outcomes,
-            api_errors=sum(v for k, v in outcomes.items() if k != "create:created"),
+            api_errors=sum(
+                v for k, v in outcomes.items() if k not in ("create:created", "ready:observed")
+            ),
             creates=len(stamps),
             configured_rate=args.rate,
             achieved_rate=achieved_rate(stamps, args.burst),

@@ -46,6 +46,12 @@ from broker.validation import validate_spec
 log = logging.getLogger(__name__)
 
 MAX_CREATE_ATTEMPTS = 6
+
+
+class AtCapacity(Exception):
+    """The job holds ``max_live`` live sandboxes; nothing was written."""
+
+
 DELETE_CONFIRM_S = 60.0
 
 
@@ -78,8 +84,13 @@ class Provider:
     def token_for(self, row: Sandbox) -> str:
         return derive_token(self._key, row.id, row.nonce)
 
-    def intent(self, spec: AcquireSpec) -> tuple[str, str]:
-        """Commit the intent row (idempotent by request id); return (sandbox id, token)."""
+    def intent(self, spec: AcquireSpec, *, enforce_cap: bool = True) -> tuple[str, str]:
+        """Commit the intent row (idempotent by request id); return (sandbox id, token).
+
+        The job's live-pod cap is hard: the count and the insert happen under a per-job
+        transaction lock, so concurrent workers can never overshoot it. Raises
+        ``AtCapacity`` when the job is at its cap (the caller waits and retries).
+        """
         validate_spec(spec)
         with self.sessions.begin() as session:
             if spec.request_id:
@@ -87,6 +98,10 @@ class Provider:
                 if existing is not None:
                     return existing.id, self.token_for(existing)
             job = store.get_job(session, spec.job)
+            if enforce_cap and job.max_live:
+                live = store.count_live_locked(session, job.name)
+                if live >= job.max_live:
+                    raise AtCapacity(f"job {job.name} is at its cap of {job.max_live} live pods")
             sandbox_id, nonce = new_id(), store.new_nonce()
             token = derive_token(self._key, sandbox_id, nonce)
             margin = self.settings.create_lease_margin_s
@@ -145,13 +160,13 @@ class Provider:
             budget = job.readiness_budget_s
             allow = list(job.egress_allow or [])
         self._failpoint("after-creating-commit")
-        # Audit rows of a create that went through are written with the ready (or
-        # failure) commit instead of a transaction each: the API calls are timed here.
+        # The readiness audit row (API server + node time) rides on the ready or failure
+        # commit instead of a transaction of its own.
         audit: list[dict[str, object]] = []
         try:
             self._ensure_guards(spec, allow)
             sent = time.monotonic()
-            info = self._submit(spec, audit)
+            info = self._submit(spec)
             self._failpoint("after-create-sent")
             info = self._await_ready(spec, token, budget, started, give_up)
             audit.append(
@@ -193,20 +208,17 @@ class Provider:
             if not self.backend.has_egress_guard(spec.namespace, spec.job):
                 raise GuardMissing(f"job {spec.job} denies egress but its policy is missing")
 
-    def _submit(self, spec: PodSpec, audit: list[dict[str, object]]) -> PodInfo:
+    def _submit(self, spec: PodSpec) -> PodInfo:
         """Create the pod; settle conflicts and unknown outcomes by nonce read-back."""
         delay = 0.2
         for attempt in range(1, MAX_CREATE_ATTEMPTS + 1):
             try:
                 sent = time.monotonic()
                 info = self.backend.create(spec)
-                audit.append(
-                    {
-                        "action": "create",
-                        "outcome": "created",
-                        "attempt": attempt,
-                        "api_s": time.monotonic() - sent,
-                    }
+                # Written at once, not batched: after a crash this row is what tells a
+                # campaign (and an operator) that the pod was really created.
+                self._api_event(
+                    spec, "create", "created", attempt=attempt, api_s=time.monotonic() - sent
                 )
                 return info
             except KubeConflict:

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from broker import mailbox, reuse
@@ -39,14 +39,13 @@ from broker.ledger.models import Job, Sandbox, utcnow
 from broker.ledger.states import Role, State
 from broker.pacing import Limits, Pacer
 from broker.pools import WarmStore, parse_pools, pool_key
-from broker.provider import Provider
+from broker.provider import AtCapacity, Provider
 from broker.provider_api import AcquireSpec, Lease
 from broker.settings import Settings
 
 log = logging.getLogger(__name__)
 
 Enqueue = Callable[[str, list[Any], str], None]
-LIVE_CAP_STATES = (State.CREATING, State.READY, State.ABANDONED, State.RELEASING)
 REFILL_BUDGET_S = 900.0
 
 
@@ -211,10 +210,9 @@ class Broker:
             if warm is not None:
                 self.claimed(warm.sandbox_id, rid, spec.owner, None, spec.enqueued_at)
                 return warm
-            self._wait_live_cap(spec.job, max_live, deadline)
         if time.monotonic() >= deadline:
             raise AcquireTimeout(f"acquire {rid} expired in the queue")
-        sandbox_id, token = self.provider.intent(spec)
+        sandbox_id, token = self._intent_under_cap(spec, max_live, deadline)
         give_up = self.watcher.watch(rid, deadline)
         submitted = False
         try:
@@ -251,25 +249,20 @@ class Broker:
             job_max_concurrent=job.max_concurrent_creates,
         )
 
-    def _wait_live_cap(self, job: str, max_live: int | None, deadline: float) -> None:
-        """Soft cap on live pods per job: wait (queue-side) while the job is at its cap."""
-        if not max_live:
-            return
+    def _intent_under_cap(
+        self, spec: AcquireSpec, max_live: int | None, deadline: float
+    ) -> tuple[str, str]:
+        """The intent, once the job is under its live-pod cap (hard: see Provider.intent);
+        waiting happens here, queue-side, before any pacer token or API call."""
         while True:
-            with self.sessions() as session:
-                live = (
-                    session.scalar(
-                        select(func.count())
-                        .select_from(Sandbox)
-                        .where(Sandbox.job == job, Sandbox.state.in_(LIVE_CAP_STATES))
-                    )
-                    or 0
-                )
-            if live < max_live:
-                return
-            if time.monotonic() >= deadline:
-                raise AcquireTimeout(f"job {job} stayed at its cap of {max_live} live sandboxes")
-            time.sleep(0.1)
+            try:
+                return self.provider.intent(spec)
+            except AtCapacity:
+                if time.monotonic() >= deadline:
+                    raise AcquireTimeout(
+                        f"job {spec.job} stayed at its cap of {max_live} live sandboxes"
+                    ) from None
+                time.sleep(0.1)
 
     # -- warm hand-out ------------------------------------------------------------------
 
@@ -457,7 +450,11 @@ class Broker:
                     request_id=f"warm-{uuid.uuid4().hex}",
                     role=Role.ROLLOUT,
                 )
-                sandbox_id, _token = self.provider.intent(spec)
+                try:
+                    sandbox_id, _token = self.provider.intent(spec)
+                except AtCapacity:  # warm pods count against the job's live cap too
+                    counts["at_cap"] = counts.get("at_cap", 0) + 1
+                    break
                 self.enqueue("sandman.pool_refill", [sandbox_id], "pool")
                 counts["refill"] += 1
         return counts

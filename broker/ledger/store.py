@@ -12,7 +12,7 @@ import hmac
 import secrets
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import func, select, text
 from sqlalchemy.orm import Session
 
 from broker.errors import IllegalTransition, InvalidRequest, UnknownJob
@@ -203,6 +203,27 @@ def append_event(
     )
     session.add(event)
     return event
+
+
+# Every state in which a row may have (or may soon have) a pod: the live-pod cap counts
+# these, intents included, so rows admitted under the cap cannot pile up behind the pacer.
+LIVE_STATES = (State.REQUESTED, State.CREATING, State.READY, State.ABANDONED, State.RELEASING)
+
+
+def count_live_locked(session: Session, job: str) -> int:
+    """Live rows of ``job``, counted under a per-job transaction-scoped advisory lock.
+
+    The lock is held until the caller's transaction ends, so a count followed by an insert
+    is atomic against every other worker doing the same for this job."""
+    session.execute(text("SELECT pg_advisory_xact_lock(hashtext(:key))"), {"key": f"live:{job}"})
+    return int(
+        session.scalar(
+            select(func.count())
+            .select_from(Sandbox)
+            .where(Sandbox.job == job, Sandbox.state.in_(LIVE_STATES))
+        )
+        or 0
+    )
 
 
 def by_request(session: Session, request_id: str) -> Sandbox | None:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build (or reuse from cache) everything the local cluster needs.
-#   build.sh            # all: k8s etcd kwok images
+#   build.sh            # all: k8s etcd kwok crictl knp images
 #   build.sh k8s etcd   # only some parts
 # Binaries land in ${SANDMAN_CACHE_DIR:-~/.cache/sandman}/<component>-<version>/bin,
 # images in .../images/<name>-<hash>.tar. A part is rebuilt only when missing.
@@ -73,18 +73,30 @@ build_crictl() {
   record_time "crictl-$CRICTL_VERSION" $((SECONDS - t0))
 }
 
+build_knp() { # sigs.k8s.io/kube-network-policies: NetworkPolicy enforcement on the real node
+  [[ -x "$KNP_BIN/kube-network-policies" ]] && { log "kube-network-policies $KNP_VERSION cached"; return; }
+  local tmp="$KNP_BIN.tmp.$$"; mkdir -p "$tmp"
+  log "building kube-network-policies $KNP_VERSION"
+  local t0=$SECONDS
+  (cd "$GOBUILD/knp" && go build -mod=mod -ldflags "-s -w" \
+     -o "$tmp/kube-network-policies" sigs.k8s.io/kube-network-policies/cmd)
+  mkdir -p "$(dirname "$KNP_BIN")"; rm -rf "$KNP_BIN"; mv "$tmp" "$KNP_BIN"
+  record_time "kube-network-policies-$KNP_VERSION" $((SECONDS - t0))
+}
+
 build_images() {
   "$REPO_ROOT/deploy/images/build.sh"
 }
 
-parts=("$@"); [[ ${#parts[@]} -eq 0 ]] && parts=(etcd kwok k8s crictl images)
+parts=("$@"); [[ ${#parts[@]} -eq 0 ]] && parts=(etcd kwok k8s crictl knp images)
 for part in "${parts[@]}"; do
   case "$part" in
     k8s) build_k8s ;;
     etcd) build_etcd ;;
     kwok) build_kwok ;;
     crictl) build_crictl ;;
+    knp) build_knp ;;
     images) build_images ;;
-    *) die "unknown part $part (k8s|etcd|kwok|crictl|images)" ;;
+    *) die "unknown part $part (k8s|etcd|kwok|crictl|knp|images)" ;;
   esac
 done

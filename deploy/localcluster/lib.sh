@@ -10,6 +10,7 @@ K8S_VERSION="${SANDMAN_K8S_VERSION:-v1.37.2}"
 ETCD_VERSION="${SANDMAN_ETCD_VERSION:-v3.6.16}"
 KWOK_VERSION="${SANDMAN_KWOK_VERSION:-v0.8.0}"
 CRICTL_VERSION="${SANDMAN_CRICTL_VERSION:-v1.37.0}"
+KNP_VERSION=v0.8.0   # sigs.k8s.io/kube-network-policies; pinned in gobuild/knp/go.mod
 
 # ---- locations ----
 CACHE_DIR="${SANDMAN_CACHE_DIR:-$HOME/.cache/sandman}"
@@ -19,6 +20,7 @@ K8S_BIN="$CACHE_DIR/k8s-$K8S_VERSION/bin"
 ETCD_BIN="$CACHE_DIR/etcd-$ETCD_VERSION/bin"
 KWOK_BIN="$CACHE_DIR/kwok-$KWOK_VERSION/bin"
 CRICTL_BIN="$CACHE_DIR/crictl-$CRICTL_VERSION/bin"
+KNP_BIN="$CACHE_DIR/kube-network-policies-$KNP_VERSION/bin"
 IMAGES_CACHE="$CACHE_DIR/images"
 KUBECONFIG_PATH="$STATE/kubeconfig"
 
@@ -34,6 +36,8 @@ SCHED_PORT=$((16259 + PORT_OFFSET))           # kube-scheduler secure port
 KUBELET_PORT=$((16250 + PORT_OFFSET))         # real kubelet API
 KUBELET_HEALTHZ_PORT=$((16248 + PORT_OFFSET))
 KWOK_PORT=$((16280 + PORT_OFFSET))            # kwok metrics/healthz
+KNP_METRICS_PORT=$((16290 + PORT_OFFSET))     # kube-network-policies metrics
+KNP_QUEUE_ID=$((100 + PORT_OFFSET))           # its NFQUEUE number (one listener per queue)
 BRIDGE_NAME="${SANDMAN_BRIDGE:-sandman0}"
 POD_NET="${SANDMAN_POD_NET:-10.244.0}"        # first three octets of the real node's /24
 POD_CIDR="$POD_NET.0/24"
@@ -42,6 +46,8 @@ SERVICE_CIDR=10.96.0.0/16
 # kubelet cgroupRoot: give a second instance its own, or its kubelet would garbage
 # collect the first one's pod cgroups under /kubepods
 CGROUP_ROOT="${SANDMAN_CGROUP_ROOT:-/}"
+# iptables chain that steers the real node's new pod connections to kube-network-policies
+NETPOL_CHAIN="SANDMAN-NP-$BRIDGE_NAME"
 REAL_NODE_NAME="${SANDMAN_REAL_NODE_NAME:-sandman-real-0}"
 KWOK_NODE_COUNT="${SANDMAN_KWOK_NODES:-16}"
 KWOK_NODE_PODS="${SANDMAN_KWOK_NODE_PODS:-1000}"

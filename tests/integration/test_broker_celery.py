@@ -201,6 +201,51 @@ def test_pacing_back_pressure_is_a_typed_timeout(
         assert {r.state for r in rows} <= {State.DELETED, State.RELEASING}
 
 
+def test_live_pod_cap_is_hard_under_concurrent_acquires(
+    stack: Settings, client: SandboxClient, sessions: Any
+) -> None:
+    cap, trainers = 2, 6
+    job = _job(sessions, "capped", max_live=cap)
+    errors: list[BaseException] = []
+
+    def rollout() -> None:
+        try:
+            with client.acquire(image=IMAGE, job=job, timeout=60) as sb:
+                sb.exec("true")
+                time.sleep(0.3)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=rollout) for _ in range(trainers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    with sessions() as session:
+        rows = session.scalars(select(Sandbox).where(Sandbox.job == job)).all()
+        assert len(rows) == trainers
+        for row in rows:
+            _wait_state(sessions, row.id, State.DELETED)
+    with sessions() as session:
+        rows = session.scalars(select(Sandbox).where(Sandbox.job == job)).all()
+        edges = sorted(
+            [(r.requested_at.timestamp(), 1) for r in rows]
+            + [(r.deleted_at.timestamp(), -1) for r in rows if r.deleted_at]
+        )
+    live = peak = 0
+    for _, step in edges:  # a row is live from its intent until its pod is confirmed gone
+        live += step
+        peak = max(peak, live)
+    assert peak == cap
+
+    held = [client.open(image=IMAGE, job=job, timeout=30) for _ in range(cap)]
+    with pytest.raises(AcquireTimeout, match="cap of 2"):
+        client.open(image=IMAGE, job=job, timeout=1.5)
+    for sb in held:
+        sb.release()
+
+
 def test_burst_is_absorbed_by_the_queue(
     stack: Settings, client: SandboxClient, sessions: Any
 ) -> None:
