@@ -166,6 +166,75 @@ def audit_command(ctx: click.Context, as_json: bool) -> None:
     sys.exit(0 if report.ok else 1)
 
 
+@main.command("egress-check")
+@click.option("--namespace", default=None, help="Default: SANDMAN_NAMESPACE.")
+@click.option("--kubeconfig", default=None, help="Default: SANDMAN_KUBECONFIG.")
+@click.option("--image", default=None, help="Probe pod image (needs python3).")
+@click.option(
+    "--node-selector",
+    "node_selector",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Where the probe pods run (repeatable). Default: sandman.io/node-kind=real.",
+)
+@click.option(
+    "--listen",
+    default=None,
+    help="Host address pods reach without enforcement (default: the local cluster's 10.244.0.1).",
+)
+@click.option("--target", default="", help="host:port to try instead of a probe listener.")
+@click.option("--timeout", "timeout_s", default=60.0, show_default=True, type=float)
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@click.pass_context
+def egress_check(  # noqa: PLR0917 (click passes options positionally)
+    ctx: click.Context,
+    namespace: str | None,
+    kubeconfig: str | None,
+    image: str | None,
+    node_selector: tuple[str, ...],
+    listen: str | None,
+    target: str,
+    timeout_s: float,
+    as_json: bool,
+) -> None:
+    """Is egress denial enforced? Exit 0 enforced, 1 not enforced, 3 inconclusive."""
+    from broker.kube import egress_probe
+    from broker.kube.api import Kube, load_api_client
+
+    settings = _settings(ctx)
+    selector: dict[str, str] | None = None
+    if node_selector:
+        selector = {}
+        for item in node_selector:
+            key, sep, value = item.partition("=")
+            if not sep or not key:
+                raise click.BadParameter(f"{item!r} is not KEY=VALUE", param_hint="--node-selector")
+            selector[key] = value
+    ns = namespace or settings.namespace
+    kube = Kube(load_api_client(kubeconfig or settings.kubeconfig, qps_pool=4))
+    kube.ensure_namespace(ns)
+    result = egress_probe.probe_egress(
+        kube,
+        ns,
+        installation=settings.installation_id,
+        image=image or egress_probe.DEFAULT_IMAGE,
+        node_selector=selector,
+        listen=listen or egress_probe.DEFAULT_LISTEN,
+        target=target,
+        timeout_s=timeout_s,
+    )
+    if as_json:
+        click.echo(json.dumps(result.to_dict(), indent=2))
+    else:
+        click.echo(egress_probe.format_result(result))
+    codes = {
+        egress_probe.EgressVerdict.ENFORCED: 0,
+        egress_probe.EgressVerdict.NOT_ENFORCED: 1,
+        egress_probe.EgressVerdict.INCONCLUSIVE: 3,
+    }
+    sys.exit(codes[result.verdict])
+
+
 def _register_subcommands() -> None:
     from broker import cli_grading, cli_run, cli_web
 

@@ -44,9 +44,10 @@ DEFAULT_IMAGE = "localhost/sandman-task-base:v1"  # any image with python3 works
 DEFAULT_NODE_SELECTOR = {"sandman.io/node-kind": "real"}
 
 # Runs inside each probe pod (python3 >= 3.6, stdlib only). argv[1] is a JSON object.
-# Attempts stop at the first outcome that is "expected" for the pod (connected for the
-# allowed pod, blocked for the denied pod); a denied pod that is blocked only after an
-# early success still counts as enforced (the engine had not yet seen the pod's IP).
+# After ``delay_s`` (time for the engine to learn the pod's IP from the API), attempts stop
+# at the first outcome expected for the pod: connected for the allowed pod, blocked for
+# the denied one. A denied pod that is blocked only after an early success still counts
+# as enforced (the engine had not seen its IP yet); the message says so.
 POD_SCRIPT = r"""
 import json, socket, sys, time
 a = json.loads(sys.argv[1])
@@ -78,7 +79,7 @@ for i in range(a["attempts"]):
         break
     time.sleep(a["interval_s"])
 out = json.dumps({"attempts": attempts}, separators=(",", ":"))
-with open("/dev/termination-log", "w") as f:
+with open(a.get("report", "/dev/termination-log"), "w") as f:
     f.write(out)
 print(out)
 """
@@ -115,9 +116,9 @@ class PodOutcome:
         return any(a.connected and a.banner_ok is not False for a in self.attempts)
 
     @property
-    def blocked(self) -> bool:
-        """Did an attempt fail to connect at all (the last one, or after a success)?"""
-        return any(not a.connected for a in self.attempts)
+    def finally_blocked(self) -> bool:
+        """Did the last attempt fail to connect at all?"""
+        return bool(self.attempts) and not self.attempts[-1].connected
 
 
 @dataclass(frozen=True)
@@ -149,7 +150,10 @@ def classify(
     peers = set(listener_peers or [])
     for outcome in (allowed, denied):
         if outcome.problem:
-            return EgressVerdict.INCONCLUSIVE, f"pod {outcome.pod} did not report: {outcome.problem}"
+            return (
+                EgressVerdict.INCONCLUSIVE,
+                f"pod {outcome.pod} did not report: {outcome.problem}",
+            )
     if not allowed.reached:
         last = allowed.attempts[-1].error if allowed.attempts else "no attempt"
         return (
@@ -157,21 +161,23 @@ def classify(
             f"the egress-allowed pod cannot reach the target either ({last}); "
             "choose a target every pod reaches when nothing enforces NetworkPolicy",
         )
-    denied_seen = bool(denied.pod_ip) and denied.pod_ip in peers
-    if denied.blocked and not denied_seen:
+    if denied.finally_blocked:
+        early = sum(1 for a in denied.attempts if a.connected)
+        if denied.pod_ip and denied.pod_ip in peers:
+            early = max(early, 1)
+        note = (
+            f" ({early} early attempt(s) got through before the engine knew the pod)"
+            if early
+            else ""
+        )
         return (
             EgressVerdict.ENFORCED,
-            "egress is enforced: the egress-denied pod is blocked, the allowed pod connects",
-        )
-    if denied.blocked:  # blocked once, yet the listener saw it: a flapping enforcer
-        return (
-            EgressVerdict.NOT_ENFORCED,
-            "the egress-denied pod was blocked once but the listener saw it connect",
+            "egress is enforced: the egress-denied pod is blocked, the allowed pod connects" + note,
         )
     return (
         EgressVerdict.NOT_ENFORCED,
         "egress is NOT enforced: the NetworkPolicy exists but the egress-denied pod "
-        "connects; no engine enforces NetworkPolicy on this node",
+        "connects; no engine enforces NetworkPolicy for this path",
     )
 
 
@@ -218,9 +224,7 @@ class _Listener:
         self._sock.close()
 
 
-def _pod_body(
-    spec: PodSpec, args: dict[str, Any], *, deadline_s: int
-) -> dict[str, Any]:
+def _pod_body(spec: PodSpec, args: dict[str, Any], *, deadline_s: int) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "Pod",
@@ -251,14 +255,20 @@ def _pod_body(
 
 def _outcome(spec: PodSpec, pod: dict[str, Any] | None, problem: str = "") -> PodOutcome:
     status = (pod or {}).get("status") or {}
-    base = {
-        "pod": spec.name,
-        "egress_denied": spec.egress_denied,
-        "pod_ip": str(status.get("podIP") or ""),
-        "phase": str(status.get("phase") or ""),
-    }
+    pod_ip, phase = str(status.get("podIP") or ""), str(status.get("phase") or "")
+
+    def outcome(attempts: list[Attempt], problem: str) -> PodOutcome:
+        return PodOutcome(
+            pod=spec.name,
+            egress_denied=spec.egress_denied,
+            pod_ip=pod_ip,
+            phase=phase,
+            attempts=attempts,
+            problem=problem,
+        )
+
     if problem:
-        return PodOutcome(**base, problem=problem)
+        return outcome([], problem)
     for cs in status.get("containerStatuses") or []:
         terminated = (cs.get("state") or {}).get("terminated") or {}
         if not terminated:
@@ -277,9 +287,9 @@ def _outcome(spec: PodSpec, pod: dict[str, Any] | None, problem: str = "") -> Po
         except (ValueError, KeyError, TypeError):
             reason = terminated.get("reason", "")
             code = terminated.get("exitCode")
-            return PodOutcome(**base, problem=f"no report (exit {code} {reason})".strip())
-        return PodOutcome(**base, attempts=attempts)
-    return PodOutcome(**base, problem="the container did not terminate")
+            return outcome([], f"no report (exit {code} {reason})".strip())
+        return outcome(attempts, "")
+    return outcome([], "the container did not terminate")
 
 
 def _waiting_reason(pod: dict[str, Any] | None) -> str:
@@ -332,6 +342,7 @@ def probe_egress(
     timeout_s: float = 60.0,
     connect_timeout_s: float = 2.0,
     attempts: int = 3,
+    settle_s: float = 1.5,
 ) -> EgressProbeResult:
     """Run the probe once in ``namespace`` and return its typed verdict.
 
@@ -366,9 +377,9 @@ def probe_egress(
             nonce=nonce,
             role="egress-probe",
             image=image,
-            cpu_m=100,
+            cpu_m=200,
             memory_b=64 * 1024 * 1024,
-            token="",  # noqa: S106 - no execd in a probe pod
+            token="",  # no execd in a probe pod
             node_selector=dict(selector),
             tolerations=list(tolerations or []),
             egress_denied=denied,
@@ -387,7 +398,7 @@ def probe_egress(
                     "host": host,
                     "port": port,
                     "banner": banner,
-                    "delay_s": 0.5,
+                    "delay_s": settle_s,
                     "attempts": attempts,
                     "interval_s": 1.0,
                     "timeout_s": connect_timeout_s,

@@ -31,8 +31,16 @@ stop() { # NAME [TIMEOUT]
   rm -f "$PIDS/$name.pid"
 }
 
-# 1. kubelet first, so it does not restart what we tear down
+# 1. kubelet first, so it does not restart what we tear down; the policy engine with it,
+#    then its steering rules (they only reference our bridge and our queue)
 stop kubelet
+stop kube-network-policies
+for hook in INPUT FORWARD; do
+  while iptables -w 5 -D "$hook" -i "$BRIDGE_NAME" -j "$NETPOL_CHAIN" 2>/dev/null; do :; done
+done
+if iptables -w 5 -F "$NETPOL_CHAIN" 2>/dev/null; then
+  iptables -w 5 -X "$NETPOL_CHAIN" 2>/dev/null || true
+fi
 
 # 2. pod sandboxes on the real node (CRI stop = CNI DEL, then remove)
 if pid_of containerd >/dev/null; then

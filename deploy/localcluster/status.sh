@@ -3,7 +3,8 @@
 # Exit 0 when every component runs and the API answers, 1 otherwise.
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 rc=0
-for name in etcd kube-apiserver kube-controller-manager kube-scheduler kwok containerd kubelet; do
+for name in etcd kube-apiserver kube-controller-manager kube-scheduler kwok containerd kubelet \
+            kube-network-policies; do
   pf="$STATE/pids/$name.pid"; state="stopped"
   if [[ -s "$pf" ]]; then
     read -r pid exe < "$pf"
@@ -16,6 +17,16 @@ for name in etcd kube-apiserver kube-controller-manager kube-scheduler kwok cont
   [[ "$state" == running* ]] || rc=1
   printf '%-24s %s\n' "$name" "$state"
 done
+# the rules that steer the real node's pod connections to kube-network-policies (up.sh)
+hooks=()
+for hook in INPUT FORWARD; do
+  iptables -w 5 -C "$hook" -i "$BRIDGE_NAME" -j "$NETPOL_CHAIN" 2>/dev/null && hooks+=("$hook")
+done
+if (( ${#hooks[@]} == 2 )); then
+  echo "netpol steering: $BRIDGE_NAME new flows (INPUT, FORWARD) -> NFQUEUE $KNP_QUEUE_ID (bypass)"
+else
+  echo "netpol steering: missing (${hooks[*]:-no hook}) - NetworkPolicy is not enforced"; rc=1
+fi
 echo "kubeconfig: $KUBECONFIG_PATH"
 if [[ -x "$K8S_BIN/kubectl" ]] && "$K8S_BIN/kubectl" --kubeconfig "$KUBECONFIG_PATH" get --raw /readyz >/dev/null 2>&1; then
   "$K8S_BIN/kubectl" --kubeconfig "$KUBECONFIG_PATH" get nodes --no-headers \

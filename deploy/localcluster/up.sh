@@ -3,6 +3,7 @@
 #   etcd, kube-apiserver, kube-controller-manager, kube-scheduler  (local processes)
 #   kwok managing $KWOK_NODE_COUNT fake nodes (label type=kwok)
 #   one real node: kubelet + containerd + runc + CNI bridge (label sandman.io/node-kind=real)
+#   kube-network-policies enforcing NetworkPolicy for the real node's pods
 # Builds what is missing from the cache first. Prints the admin kubeconfig path on stdout.
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 T0=$SECONDS
@@ -26,10 +27,15 @@ alive() { # NAME -> 0 if the recorded pid is alive and still runs the recorded b
 
 start() { # NAME BINARY ARGS...  (no-op when already running)
   local name="$1" bin="$2"; shift 2
+  start_cmd "$name" "$bin" "$bin" "$@"
+}
+
+start_cmd() { # NAME BINARY COMMAND...  (COMMAND must end by exec'ing BINARY in the same pid)
+  local name="$1" bin="$2"; shift 2
   if alive "$name"; then return 0; fi
   log "starting $name"
-  echo "=== $(date -Is) start: $bin $*" >> "$LOGS/$name.log"
-  setsid nohup "$bin" "$@" >> "$LOGS/$name.log" 2>&1 < /dev/null 9>&- &
+  echo "=== $(date -Is) start: $*" >> "$LOGS/$name.log"
+  setsid nohup "$@" >> "$LOGS/$name.log" 2>&1 < /dev/null 9>&- &
   echo "$! $bin" > "$PIDS/$name.pid"
 }
 
@@ -45,7 +51,8 @@ wait_for() { # DESCRIPTION TIMEOUT_S COMMAND...
 proc_running_or_die() { alive "$1" || { tail -30 "$LOGS/$1.log" >&2; die "$1 exited (log: $LOGS/$1.log)"; }; }
 
 # ---------------------------------------------------------------- fast path
-all_names=(etcd kube-apiserver kube-controller-manager kube-scheduler kwok containerd kubelet)
+all_names=(etcd kube-apiserver kube-controller-manager kube-scheduler kwok containerd kubelet
+           kube-network-policies)
 fast=1
 for n in "${all_names[@]}"; do alive "$n" || fast=0; done
 if [[ $fast = 1 && -x "$KUBECTL" ]] && \
@@ -58,7 +65,8 @@ fi
 
 # ---------------------------------------------------------------- host packages
 need_pkgs=()
-for p in containerd runc containernetworking-plugins debootstrap openssl gcc libc6-dev iproute2 curl; do
+for p in containerd runc containernetworking-plugins debootstrap openssl gcc libc6-dev iproute2 curl \
+         iptables util-linux; do
   dpkg -s "$p" >/dev/null 2>&1 || need_pkgs+=("$p")
 done
 if (( ${#need_pkgs[@]} )); then
@@ -355,6 +363,66 @@ start kubelet "$K8S_BIN/kubelet" \
   --node-labels "sandman.io/node-kind=real,topology.kubernetes.io/zone=zone-real" \
   --v 1
 
+# ---------------------------------------------------------------- NetworkPolicy enforcement
+# kube-network-policies (host process for the real node) decides every new connection of
+# the node's pods in userspace from the NetworkPolicies, through an NFQUEUE. Its own
+# nftables table needs the nft `queue` expression (CONFIG_NFT_QUEUE), which this kernel
+# lacks (its sync logs "no such file or directory" and creates nothing). The xtables
+# NFQUEUE target is built in, so up.sh steers the connections instead: new flows that
+# enter from our bridge (pod -> host, pod -> pod, pod -> anywhere) go to its queue.
+# --queue-bypass: when it is not running they pass unchecked (no enforcement), nothing
+# hangs. Host-originated traffic (kubelet probes, the broker reaching execd) and replies
+# are never queued. Only our bridge's traffic is touched; down.sh removes the chain.
+ipt() { iptables -w 5 "$@"; }
+ipt -N "$NETPOL_CHAIN" 2>/dev/null || true
+ipt -F "$NETPOL_CHAIN"
+ipt -A "$NETPOL_CHAIN" -m conntrack --ctstate NEW \
+  -j NFQUEUE --queue-num "$KNP_QUEUE_ID" --queue-bypass
+for hook in INPUT FORWARD; do
+  ipt -C "$hook" -i "$BRIDGE_NAME" -j "$NETPOL_CHAIN" 2>/dev/null ||
+    ipt -I "$hook" -i "$BRIDGE_NAME" -j "$NETPOL_CHAIN"
+done
+# It only supports in-cluster config (token + CA at the fixed ServiceAccount paths): give
+# it a ServiceAccount token, mounted over /run in a private mount namespace of its own.
+KNP_DIR="$STATE/kube-network-policies"
+if ! alive kube-network-policies; then
+  mkdir -p "$KNP_DIR"
+  kc apply -f - >/dev/null <<'YAML'
+apiVersion: v1
+kind: ServiceAccount
+metadata: {name: kube-network-policies, namespace: kube-system}
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: ClusterRole
+metadata: {name: kube-network-policies}
+rules:
+- {apiGroups: [""], resources: [pods, namespaces], verbs: [list, watch]}
+- {apiGroups: [networking.k8s.io], resources: [networkpolicies], verbs: [list, watch]}
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: ClusterRoleBinding
+metadata: {name: kube-network-policies}
+roleRef: {apiGroup: rbac.authorization.k8s.io, kind: ClusterRole, name: kube-network-policies}
+subjects: [{kind: ServiceAccount, name: kube-network-policies, namespace: kube-system}]
+YAML
+  (umask 077; kc -n kube-system create token kube-network-policies --duration 8760h \
+     > "$KNP_DIR/token")
+  cp "$PKI/ca.crt" "$KNP_DIR/ca.crt"
+fi
+start_cmd kube-network-policies "$KNP_BIN/kube-network-policies" \
+  env KUBERNETES_SERVICE_HOST=127.0.0.1 KUBERNETES_SERVICE_PORT="$APISERVER_PORT" \
+  unshare --mount --propagation private /bin/sh -c '
+    sa=/run/secrets/kubernetes.io/serviceaccount
+    mount -n -t tmpfs -o size=1m,mode=755 sandman-knp /run && mkdir -p "$sa" &&
+      cp "$0/token" "$0/ca.crt" "$sa/" && exec "$@"' "$KNP_DIR" \
+  "$KNP_BIN/kube-network-policies" \
+  --hostname-override "$REAL_NODE_NAME" \
+  --nfqueue-id "$KNP_QUEUE_ID" \
+  --metrics-bind-address "127.0.0.1:$KNP_METRICS_PORT" \
+  --disable-nri \
+  --netfilter-bug-1766-fix=false \
+  --v 1
+
 # ---------------------------------------------------------------- wait for readiness
 node_ready() { [[ "$(kc get node "$1" -o jsonpath='{.status.conditions[?(@.type=="Ready")].status}' 2>/dev/null)" == True ]]; }
 kwok_ready() {
@@ -362,7 +430,9 @@ kwok_ready() {
   [[ "$n" -ge "$KWOK_NODE_COUNT" ]]
 }
 wait_for "kwok nodes Ready" 120 kwok_ready
-for n in kube-controller-manager kube-scheduler kwok containerd kubelet; do proc_running_or_die "$n"; done
+for n in kube-controller-manager kube-scheduler kwok containerd kubelet kube-network-policies; do
+  proc_running_or_die "$n"
+done
 wait_for "real node $REAL_NODE_NAME Ready" 180 node_ready "$REAL_NODE_NAME"
 wait_for "default serviceaccount" 60 kc get serviceaccount default -n default
 
