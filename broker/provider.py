@@ -272,12 +272,23 @@ class Provider:
             if remaining <= 0:
                 raise CreateFailed(f"{spec.name} not ready within the {budget:.0f}s budget")
             latest: PodInfo | None = None
-            for info in self.backend.watch_ready(spec.namespace, {spec.name}, min(remaining, 2.0)):
-                latest = info
-                if info.terminal_failure:
-                    raise CreateFailed(f"{spec.name} failed to start: {info.reason or info.phase}")
-                if info.ready:
-                    break
+            try:
+                for info in self.backend.watch_ready(
+                    spec.namespace, {spec.name}, min(remaining, 2.0)
+                ):
+                    latest = info
+                    if info.terminal_failure:
+                        raise CreateFailed(
+                            f"{spec.name} failed to start: {info.reason or info.phase}"
+                        )
+                    if info.ready:
+                        break
+            except (KubeUnavailable, KubeThrottled) as exc:
+                # The pod exists; an API server that is briefly away does not make it
+                # fail. Keep waiting within the readiness budget.
+                log.info("readiness of %s: API unavailable (%s); waiting on", spec.name, exc)
+                self._sleep(0.5)
+                continue
             if latest is None or not latest.ready or not latest.address:
                 continue
             if spec.simulated_readiness or self._probe(latest.address, token):
@@ -322,8 +333,9 @@ class Provider:
                 else:
                     row.lease_expires_at = None
                 return self._lease(row, token)
-        # The caller gave up: the pod is ours to remove (provider-owned cleanup).
-        self.release(sandbox_id, actor=self.actor, reason="caller-gave-up")
+        # The caller gave up: the pod is ours to remove (provider-owned cleanup). We are
+        # the creator, so the row's `creating` state must not defer the delete to us.
+        self.release(sandbox_id, actor=self.actor, reason="caller-gave-up", creator_gone=True)
         raise AcquireTimeout(f"caller gave up on {sandbox_id}; its pod was released")
 
     @staticmethod

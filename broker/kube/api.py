@@ -115,6 +115,27 @@ def call_json(what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> d
     return parsed
 
 
+READ_ATTEMPTS = 3
+
+
+def read_json(what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> dict[str, Any]:
+    """``call_json`` for reads, retried (3 tries, 0.1 s then 0.3 s apart) when the outcome
+    is unknown or throttled. A GET changes nothing, so replaying it is safe; it is what
+    turns a pooled keep-alive connection killed by an API server restart into a
+    non-event instead of a failed create. Writes are never retried here."""
+    for attempt in range(READ_ATTEMPTS):
+        try:
+            return call_json(what, fn, *args, **kwargs)
+        except (KubeUnavailable, KubeThrottled) as exc:
+            if attempt == READ_ATTEMPTS - 1:
+                raise
+            pause = 0.1 * 3**attempt
+            if isinstance(exc, KubeThrottled) and exc.retry_after:
+                pause = max(pause, min(exc.retry_after, 5.0))
+            time.sleep(pause)
+    raise AssertionError("unreachable")
+
+
 def _json_lines(resp: Any) -> Iterator[dict[str, Any]]:
     """Parse a watch stream (one JSON object per line) without the client's models."""
     pending = b""
@@ -141,7 +162,7 @@ class Kube:
 
     def get_pod(self, namespace: str, name: str) -> dict[str, Any] | None:
         try:
-            return call_json("read pod", self.core.read_namespaced_pod, name, namespace)
+            return read_json("read pod", self.core.read_namespaced_pod, name, namespace)
         except KubeNotFound:
             return None
 
@@ -160,7 +181,7 @@ class Kube:
         token: str | None = None
         version = ""
         while True:
-            data = call_json(
+            data = read_json(
                 "list pods",
                 self.core.list_namespaced_pod,
                 namespace,
@@ -176,7 +197,7 @@ class Kube:
 
     def current_version(self, namespace: str, selector: str) -> str:
         """The resourceVersion a watch can start from, without listing every pod."""
-        data = call_json(
+        data = read_json(
             "list pods", self.core.list_namespaced_pod, namespace, label_selector=selector, limit=1
         )
         return str((data.get("metadata") or {}).get("resourceVersion", ""))
@@ -230,7 +251,7 @@ class Kube:
 
     def get_configmap(self, namespace: str, name: str) -> dict[str, Any] | None:
         try:
-            return call_json(
+            return read_json(
                 "read configmap", self.core.read_namespaced_config_map, name, namespace
             )
         except KubeNotFound:
@@ -243,7 +264,7 @@ class Kube:
 
     def get_network_policy(self, namespace: str, name: str) -> dict[str, Any] | None:
         try:
-            return call_json(
+            return read_json(
                 "read networkpolicy", self.net.read_namespaced_network_policy, name, namespace
             )
         except KubeNotFound:

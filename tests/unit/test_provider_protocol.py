@@ -133,6 +133,27 @@ def test_caller_giving_up_mid_create_still_gets_the_pod_deleted(provider, backen
     assert row_of(sessions, sid).state == State.DELETED
 
 
+def test_caller_giving_up_as_the_pod_turns_ready_still_gets_it_deleted(sessions, backend, tmp_path):
+    """The give-up lands after readiness was seen but before the ready commit: the
+    creator itself must delete the pod (the row is still `creating`)."""
+    give_up = threading.Event()
+    settings = Settings(state_dir=tmp_path, installation_id=f"inst-{tmp_path.name[-8:]}")
+    p = Provider(
+        settings,
+        sessions,
+        backend,
+        probe=lambda a, t: True,
+        failpoint=lambda name: give_up.set() if name == "before-ready-commit" else None,
+    )
+    with sessions.begin() as s:
+        store.ensure_job(s, "job-a", readiness_budget_s=5.0, lease_s=60.0)
+    sid, token = p.intent(spec())
+    with pytest.raises(AcquireTimeout):
+        p.create(sid, token, give_up=give_up)
+    assert not backend.pods
+    assert row_of(sessions, sid).state == State.DELETED
+
+
 def test_release_during_create_is_honoured_by_the_creator(provider, backend, sessions):
     sid, token = provider.intent(spec())
     real_create = backend.create
