@@ -53,6 +53,7 @@ class AtCapacity(Exception):
 
 
 DELETE_CONFIRM_S = 60.0
+JOB_TTL_S = 2.0
 
 
 class Provider:
@@ -78,6 +79,7 @@ class Provider:
         self._key = broker_key(settings)
         # Named points where a test can kill the process (SIGKILL) to open a crash window.
         self._failpoint = failpoint or (lambda name: None)
+        self._jobs: dict[str, tuple[float, Job]] = {}
 
     # -- 1. intent --------------------------------------------------------------------
 
@@ -97,7 +99,7 @@ class Provider:
                 existing = store.by_request(session, spec.request_id)
                 if existing is not None:
                     return existing.id, self.token_for(existing)
-            job = store.get_job(session, spec.job)
+            job = self.job(session, spec.job)
             if enforce_cap and job.max_live:
                 live = store.count_live_locked(session, job.name)
                 if live >= job.max_live:
@@ -148,7 +150,7 @@ class Provider:
         started = time.monotonic()
         with self.sessions.begin() as session:
             row = self._locked(session, sandbox_id)
-            job = store.get_job(session, row.job)
+            job = self.job(session, row.job)
             if row.state == State.READY:
                 return self._lease(row, token)
             if row.state not in (State.REQUESTED, State.CREATING):
@@ -265,9 +267,15 @@ class Provider:
         give_up: threading.Event | None,
     ) -> PodInfo:
         deadline = started + budget
+        first = True
         while True:
-            if self._cancelled(spec.sandbox_id, give_up):
+            # The ledger is re-read from the second round on: the row was committed
+            # `creating` moments ago, and the ready commit re-checks it under its lock.
+            if (give_up is not None and give_up.is_set()) or (
+                not first and self._cancelled(spec.sandbox_id, give_up)
+            ):
                 raise AcquireTimeout(f"caller gave up on {spec.sandbox_id} during create")
+            first = False
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise CreateFailed(f"{spec.name} not ready within the {budget:.0f}s budget")
@@ -316,7 +324,7 @@ class Provider:
         with self.sessions.begin() as session:
             row = self._locked(session, sandbox_id)
             self._write_audit(session, row, audit)
-            job = store.get_job(session, row.job)
+            job = self.job(session, row.job)
             cancelled = row.state == State.RELEASING or (give_up is not None and give_up.is_set())
             if not cancelled:
                 now = utcnow()
@@ -462,6 +470,22 @@ class Provider:
 
     # -- helpers ----------------------------------------------------------------------
 
+    def job(self, session: Session, name: str) -> Job:
+        """The job's settings, read at most every JOB_TTL_S per process.
+
+        A detached copy: the acquire path reads a job three or four times per create,
+        and job settings change rarely; a change is seen within JOB_TTL_S. Unknown jobs
+        are never cached (UnknownJob is raised from the database each time).
+        """
+        now = time.monotonic()
+        hit = self._jobs.get(name)
+        if hit is not None and hit[0] > now:
+            return hit[1]
+        job = store.get_job(session, name)
+        session.expunge(job)
+        self._jobs[name] = (now + JOB_TTL_S, job)
+        return job
+
     def _locked(self, session: Session, sandbox_id: str) -> Sandbox:
         row = store.lock_row(session, sandbox_id)
         if row is None:
@@ -497,6 +521,7 @@ class Provider:
 
     def _api_event(self, spec: PodSpec, action: str, outcome: str, **detail: object) -> None:
         with self.sessions.begin() as session:
+            store.audit_only(session)
             store.append_event(
                 session,
                 None,

@@ -196,7 +196,7 @@ class Broker:
         wall_deadline = float(request.get("deadline") or time.time() + 600)
         deadline = time.monotonic() + (wall_deadline - time.time())
         with self.sessions() as session:
-            job = store.get_job(session, spec.job)
+            job = self.provider.job(session, spec.job)
             limits = self.limits(job)
             max_live, reuse_on = job.max_live, job.reuse
             existing = store.by_request(session, rid)

@@ -226,6 +226,15 @@ def count_live_locked(session: Session, job: str) -> int:
     )
 
 
+def audit_only(session: Session) -> None:
+    """Mark the current transaction as audit-only: its commit need not wait for the WAL
+    flush. Safe only for rows no protocol step depends on (the next ordinary commit
+    flushes them anyway); it saves one disk sync per create on the acquire path."""
+    bind = session.get_bind()
+    if bind.dialect.name == "postgresql":
+        session.execute(text("SET LOCAL synchronous_commit TO OFF"))
+
+
 def by_request(session: Session, request_id: str) -> Sandbox | None:
     return session.scalars(select(Sandbox).where(Sandbox.request_id == request_id)).first()
 
