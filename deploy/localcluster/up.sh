@@ -51,10 +51,12 @@ wait_for() { # DESCRIPTION TIMEOUT_S COMMAND...
 proc_running_or_die() { alive "$1" || { tail -30 "$LOGS/$1.log" >&2; die "$1 exited (log: $LOGS/$1.log)"; }; }
 
 # ---------------------------------------------------------------- fast path
+bridge_mac="$(printf '02:00:%02x:%02x:%02x:%02x' ${BRIDGE_IP//./ })"   # see "host network"
 all_names=(etcd kube-apiserver kube-controller-manager kube-scheduler kwok containerd kubelet
            kube-network-policies)
 fast=1
 for n in "${all_names[@]}"; do alive "$n" || fast=0; done
+[[ "$(cat "/sys/class/net/$BRIDGE_NAME/address" 2>/dev/null)" == "$bridge_mac" ]] || fast=0
 if [[ $fast = 1 && -x "$KUBECTL" ]] && \
    kc get --raw /readyz >/dev/null 2>&1 && \
    [[ "$(kc get node "$REAL_NODE_NAME" -o jsonpath='{.status.conditions[?(@.type=="Ready")].status}' 2>/dev/null)" == True ]]; then
@@ -87,6 +89,12 @@ if ! ip link show "$BRIDGE_NAME" >/dev/null 2>&1; then
 fi
 addrs="$(ip -4 addr show dev "$BRIDGE_NAME")"   # no pipe into grep -q: SIGPIPE + pipefail
 [[ "$addrs" == *"inet $BRIDGE_IP/"* ]] || ip addr add "$BRIDGE_IP/24" dev "$BRIDGE_NAME"
+# Pin the bridge's MAC. Unset, it follows the lowest MAC among its ports, so it changes as
+# pods come and go; pods keep the old gateway MAC in their ARP cache for up to ~30 s and
+# their packets to $BRIDGE_IP are bridged to some other pod's veth instead (connections
+# to the host time out). Locally administered, derived from the bridge IP.
+[[ "$(cat "/sys/class/net/$BRIDGE_NAME/address")" == "$bridge_mac" ]] ||
+  ip link set dev "$BRIDGE_NAME" address "$bridge_mac"
 ip link set "$BRIDGE_NAME" up
 # Stale pod interfaces: after a crash or a killed session the pods' network namespaces
 # outlive containerd, keeping their veths on our bridge with addresses that a fresh

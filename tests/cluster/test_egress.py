@@ -10,6 +10,7 @@ and the probe says ``not enforced``.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
 import subprocess
@@ -54,27 +55,46 @@ def kube(kubeconfig_path: str) -> Iterator[Kube]:
         _unavailable(f"{ENGINE} is not running (deploy/localcluster/up.sh starts it)")
     api = load_api_client(kubeconfig_path, qps_pool=4)
     yield Kube(api)
-    api.close()
+    api.close()  # type: ignore[no-untyped-call]
+
+
+def _lock(lock: Any, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                pytest.fail(f"{STATE / 'lock'} is held by another up.sh/down.sh")
+            time.sleep(0.5)
 
 
 @pytest.fixture
 def engine_stopped(kube: Kube) -> Iterator[None]:
-    """Stop the engine by PID for one test; restart it with up.sh afterwards, always."""
-    pid = _engine_pid()
-    assert pid is not None, f"{ENGINE} is not running"
-    os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + 15
-    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not Path(f"/proc/{pid}").exists(), f"{ENGINE} (pid {pid}) did not exit"
-    try:
-        yield
-    finally:
-        proc = subprocess.run(
-            [str(UP_SCRIPT)], capture_output=True, text=True, timeout=600, check=False
-        )
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        assert _engine_pid() is not None, f"up.sh did not restart {ENGINE}"
+    """Stop the engine by PID for one test; restart it with up.sh afterwards, always.
+
+    Holds up.sh's lock meanwhile: another session's up.sh would otherwise restart the
+    engine in the middle of the test (it waits for the lock instead, a few seconds).
+    """
+    with (STATE / "lock").open("a") as lock:
+        _lock(lock)
+        try:
+            pid = _engine_pid()
+            assert pid is not None, f"{ENGINE} is not running"
+            os.kill(pid, signal.SIGTERM)
+            deadline = time.monotonic() + 15
+            while _engine_pid() == pid and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert _engine_pid() is None, f"{ENGINE} (pid {pid}) did not exit"
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+            proc = subprocess.run(
+                [str(UP_SCRIPT)], capture_output=True, text=True, timeout=600, check=False
+            )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert _engine_pid() is not None, f"up.sh did not restart {ENGINE}"
 
 
 def _probe(kube: Kube, namespace: str) -> Any:

@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -67,7 +68,7 @@ def test_inconclusive_when_allowed_pod_cannot_connect_or_a_pod_never_ran() -> No
     assert "ErrImageNeverPull" in message
 
 
-def _run_script(tmp_path: Path, **args: object) -> dict[str, object]:
+def _run_script(tmp_path: Path, **args: object) -> dict[str, Any]:
     report = tmp_path / "report.json"
     base = {"delay_s": 0, "attempts": 3, "interval_s": 0.05, "timeout_s": 0.5, "banner": ""}
     payload = {**base, **args, "report": str(report)}
@@ -77,39 +78,32 @@ def _run_script(tmp_path: Path, **args: object) -> dict[str, object]:
         capture_output=True,
         timeout=30,
     )
-    data: dict[str, object] = json.loads(report.read_text())
+    data: dict[str, Any] = json.loads(report.read_text())
     return data
 
 
 def test_pod_script_against_the_listener(tmp_path: Path) -> None:
-    listener = _Listener("127.0.0.1", "sandman-egress-probe abc")
+    banner = "sandman-egress-probe abc"
+    listener = _Listener("127.0.0.1", banner)
     try:
-        ok = _run_script(
-            tmp_path,
-            host="127.0.0.1",
-            port=listener.port,
-            banner="sandman-egress-probe abc",
-            stop_when_connected=True,
+        ok, wrong = (
+            _run_script(
+                tmp_path,
+                host="127.0.0.1",
+                port=listener.port,
+                banner=expected,
+                stop_when_connected=True,
+            )
+            for expected in (banner, "another nonce")
         )
-        assert ok["attempts"] == [
-            {
-                "connected": True,
-                "banner_ok": True,
-                "error": "",
-                "elapsed_s": pytest.approx(0, abs=1),
-            }
-        ]
-        wrong = _run_script(
-            tmp_path,
-            host="127.0.0.1",
-            port=listener.port,
-            banner="another nonce",
-            stop_when_connected=True,
-        )
-        assert [a["banner_ok"] for a in wrong["attempts"]] == [False]  # type: ignore[union-attr]
     finally:
         listener.close()
-    assert listener.peers and set(listener.peers) == {"127.0.0.1"}
+    assert ok["attempts"] == [
+        {"connected": True, "banner_ok": True, "error": "", "elapsed_s": pytest.approx(0, abs=1)}
+    ]
+    # connected, but to a listener with another nonce: reported, never taken as ours
+    assert [a["banner_ok"] for a in wrong["attempts"]] == [False]
+    assert set(listener.peers) == {"127.0.0.1"} and len(listener.peers) == 2
 
 
 def test_pod_script_stops_at_first_block_for_the_denied_pod(tmp_path: Path) -> None:
