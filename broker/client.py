@@ -532,7 +532,8 @@ class SandboxClient:
 
             expires = dt.datetime.fromisoformat(sandbox.lease.lease_expires_at)
             interval = (expires - dt.datetime.now(dt.UTC)).total_seconds() / 3
-        sandbox.start_heartbeat(max(1.0, min(interval or 60.0, 100.0)))
+        # A third of the lease: two renewals can be lost before it runs out.
+        sandbox.start_heartbeat(max(1.0, interval or 60.0))
         return sandbox
 
 
