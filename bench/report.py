@@ -6,7 +6,8 @@ Phases (each writes ``bench/out/<phase>.json``; ``report`` assembles whatever ex
   replay   the simulator vs the real broker (local backend, warm pools) on a small trace
   execd    execd vs a raw bash pipe vs SWE-ReX (bench/execd_bench.py, imported)
   broker   warm hit vs cold acquire (bench/broker_bench.py --quick, same run's baselines)
-  report   bench/out/report.md + *.png + report.json, also from scale.json / burst.json
+  report   bench/out/report.md + *.png + report.json, also from scale.json / burst.json /
+           cold_kwok.json
            written by bench/scale.py and bench/burst.py
 
     .venv/bin/python bench/report.py [--phases replay,execd,broker,report]
@@ -478,6 +479,30 @@ def phase_report(args: argparse.Namespace) -> None:
             md.append(f"| {name} | {row['n']} | {_ms(row['p50_s'])} | {_ms(row['p99_s'])} |")
         md.append("")
         figures["broker"] = broker["rows"]
+    cold = load("cold_kwok")
+    if cold:
+        md += [
+            "## Cold acquires on kwok: broker overhead vs API server and node "
+            "(bench/cold_kwok.py, **simulated readiness**, pacing off)",
+            "",
+            "| concurrency | trainer acquire p50 / p99 | API+node p50 / p99 | "
+            "broker overhead p50 / p99 | baseline: bare POST->Ready p50 / p99 |",
+            "|---|---|---|---|---|",
+        ]
+        for key in sorted((k for k in cold if k.startswith("c")), key=lambda k: int(k[1:])):
+            row = cold[key]
+            cells = [
+                f"{_ms(row[f]['p50'])} / {_ms(row[f]['p99'])}"
+                for f in (
+                    "acquire_s",
+                    "api_and_node_s",
+                    "broker_overhead_s",
+                    "baseline_bare_create_to_ready_s",
+                )
+            ]
+            md.append(f"| {key[1:]} | " + " | ".join(cells) + " |")
+        md.append("")
+        figures["cold_kwok"] = cold
     md += ["## Plots", ""] + [f"![{m}]({m})" for m in made] + [""]
     (OUT / "report.md").write_text("\n".join(md))
     (OUT / "report.json").write_text(json.dumps(figures, indent=1, default=str))
