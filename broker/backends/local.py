@@ -56,6 +56,20 @@ def _proc_start(pid: int) -> str | None:
     return fields[19]
 
 
+def _reap_exited() -> None:
+    """Collect every child of this process whose sandbox was deleted elsewhere.
+
+    The worker that creates a sandbox is its parent, but the release usually runs in
+    another worker process, which kills it without being able to wait for it. Without
+    this sweep (run at every create) the creating process would keep one Popen object
+    and one zombie per sandbox it ever made: memory growth, and in the end no PIDs.
+    """
+    with _children_lock:
+        done = [pid for pid, proc in _children.items() if proc.poll() is not None]
+        for pid in done:
+            del _children[pid]
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -230,6 +244,7 @@ class LocalBackend:
             log.close()
         with _children_lock:
             _children[proc.pid] = proc
+        _reap_exited()
         child = self._read_info(read_fd)
         meta.update(pid=proc.pid, start=_proc_start(proc.pid), child_pid=child, port=port)
         tmp = meta_path.with_suffix(".tmp")

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from broker.backends.base import PodSpec
-from broker.backends.local import LocalBackend, _proc_start
+from broker.backends.local import LocalBackend, _children, _proc_start
 from broker.errors import GuardMissing, KubeConflict
 from broker.execd_probe import execd_answers
 from broker.settings import Settings
@@ -105,3 +105,41 @@ def test_egress_denial_is_refused_not_faked(backend: LocalBackend) -> None:
     assert backend.has_egress_guard("ns", "j") is False
     with pytest.raises(GuardMissing):
         backend.ensure_egress_guard("ns", "j", [])
+
+
+def _zombies_of(pid: int) -> list[int]:
+    out = []
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            fields = dict(
+                line.split(":\t", 1) for line in status.read_text().splitlines() if ":\t" in line
+            )
+        except OSError:
+            continue
+        if fields.get("PPid", "").strip() == str(pid) and fields.get("State", "").startswith("Z"):
+            out.append(int(status.parent.name))
+    return out
+
+
+def test_creator_reaps_sandboxes_deleted_by_another_process(backend: LocalBackend) -> None:
+    """The acquire worker creates, the control worker deletes: the creator must still reap.
+
+    Another process's delete is a SIGKILL this process never waits for; stand in for it
+    by killing the sandbox's process group directly."""
+    import signal
+
+    first = backend.create(_spec("sm-reap-1"))
+    _ready(backend, "sm-reap-1")
+    meta = backend._load("sm-reap-1")
+    assert meta is not None and meta["pid"] in _children
+    os.killpg(int(meta["pid"]), signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while int(meta["pid"]) not in _zombies_of(os.getpid()):
+        assert time.monotonic() < deadline, "the killed sandbox never became our zombie"
+        time.sleep(0.05)
+    backend.create(_spec("sm-reap-2", nonce="n-2"))  # any later create sweeps
+    assert int(meta["pid"]) not in _children
+    assert int(meta["pid"]) not in _zombies_of(os.getpid())
+    assert first.name == "sm-reap-1"
+    backend.delete("ns", "sm-reap-2", "n-2")
+    backend.delete("ns", "sm-reap-1", "n-1")
