@@ -27,7 +27,8 @@ log = logging.getLogger(__name__)
 
 WATCH_WINDOW_S = 30.0  # one stream's lifetime; bounds how long close() can take
 FIRST_EVENT_WAIT_S = 0.5  # how long a waiter waits for its first event before reading
-MAX_TRACKED = 50_000  # names kept; beyond it, only the ones being waited on survive
+MAX_TRACKED = 50_000  # names kept at most, whatever their age
+KEEP_S = 120.0  # a pod's last event is kept this long
 
 
 @dataclass
@@ -51,7 +52,8 @@ class PodWatch:
         self.selector = selector
         self.to_info = to_info
         self._lock = threading.Lock()
-        self._latest: dict[str, PodInfo | None] = {}  # None: seen deleted
+        self._latest: dict[str, PodInfo | None] = {}  # None: seen deleted; oldest first
+        self._seen: dict[str, float] = {}  # name -> monotonic time of its last event
         self._waiters: dict[str, _Waiter] = {}
         self._generation = 0
         self._connected = False
@@ -91,6 +93,7 @@ class PodWatch:
             self._generation += 1
             self._connected = True
             self._latest.clear()
+            self._seen.clear()
             for waiter in self._waiters.values():
                 waiter.event.set()
 
@@ -109,15 +112,34 @@ class PodWatch:
             name = str(meta.get("name") or "")
             info = None if kind == "DELETED" else self.to_info(obj)
             with self._lock:
-                if len(self._latest) >= MAX_TRACKED:
-                    self._latest = {n: self._latest.get(n) for n in self._waiters}
+                self._forget_old()
+                self._latest.pop(name, None)  # re-insert: dict order is age order
                 self._latest[name] = info
+                self._seen[name] = time.monotonic()
                 waiter = self._waiters.get(name)
                 if waiter is not None:
                     waiter.event.set()
             if self._stop.is_set():
                 break
         return version
+
+    def _forget_old(self) -> None:
+        """Drop pods nobody waits for and no event touched for KEEP_S (lock held).
+
+        Waiters only need what happened since their create or delete was sent, so memory
+        follows the event rate, not the number of pods (12,000 held pods would otherwise
+        sit here for hours). A forgotten pod is simply read (GET) if waited on again."""
+        now = time.monotonic()
+        while self._latest:
+            oldest = next(iter(self._latest))
+            if now - self._seen.get(oldest, now) < KEEP_S and len(self._latest) < MAX_TRACKED:
+                return
+            if oldest in self._waiters and len(self._latest) < MAX_TRACKED:
+                self._latest[oldest] = self._latest.pop(oldest)  # still wanted: keep it
+                self._seen[oldest] = now
+                continue
+            del self._latest[oldest]
+            self._seen.pop(oldest, None)
 
     def close(self) -> None:
         self._stop.set()
