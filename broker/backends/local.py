@@ -23,6 +23,7 @@ import contextlib
 import datetime as dt
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -70,10 +71,20 @@ def _reap_exited() -> None:
             del _children[pid]
 
 
-def _free_port() -> int:
+# Below Linux's default ephemeral range (32768-60999): a port picked there could be taken
+# as the source port of any outgoing connection between our pick and execd's bind (one
+# sandbox in ~10,000 failed to start that way under the load run). Ports here are handed
+# out only by this claim, and the claim is a lock file, so concurrent workers never share.
+PORT_RANGE = (20000, 32000)
+
+
+def _bindable(port: int) -> bool:
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def _healthz(port: int, timeout: float = 0.5) -> bool:
@@ -216,7 +227,7 @@ class LocalBackend:
             json.dump(meta, fh)
         workspace = self._workspace(spec.name)
         workspace.mkdir(parents=True, exist_ok=True)
-        port = _free_port()
+        port = self._claim_port()
         log = (self.root / spec.name / "execd.log").open("ab")
         read_fd, write_fd = os.pipe()
         try:
@@ -238,6 +249,7 @@ class LocalBackend:
         except (OSError, KubeUnavailable) as exc:
             os.close(read_fd)
             meta_path.unlink(missing_ok=True)
+            self._release_port(port)
             raise KubeUnavailable(f"cannot start bwrap: {exc}") from exc
         finally:
             os.close(write_fd)
@@ -316,7 +328,28 @@ class LocalBackend:
         self._reap(meta.get("pid"))
         shutil.rmtree(self.root / name, ignore_errors=True)
         self._meta_path(name).unlink(missing_ok=True)
+        if meta.get("port"):
+            self._release_port(int(meta["port"]))
         return True
+
+    def _claim_port(self) -> int:
+        """A loopback port no other sandbox holds and nothing is bound to (see PORT_RANGE)."""
+        locks = self.root / ".ports"
+        locks.mkdir(parents=True, exist_ok=True)
+        rng = random.SystemRandom()
+        for _ in range(500):
+            port = rng.randrange(*PORT_RANGE)
+            try:
+                os.close(os.open(locks / str(port), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+            except FileExistsError:
+                continue
+            if _bindable(port):
+                return port
+            self._release_port(port)
+        raise KubeUnavailable("no free loopback port for a local sandbox")
+
+    def _release_port(self, port: int) -> None:
+        (self.root / ".ports" / str(port)).unlink(missing_ok=True)
 
     @staticmethod
     def _reap(pid: int | None) -> None:

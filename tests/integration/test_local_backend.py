@@ -143,3 +143,24 @@ def test_creator_reaps_sandboxes_deleted_by_another_process(backend: LocalBacken
     assert first.name == "sm-reap-1"
     backend.delete("ns", "sm-reap-2", "n-2")
     backend.delete("ns", "sm-reap-1", "n-1")
+
+
+def test_ports_come_from_a_claimed_range_outside_the_ephemeral_one(
+    backend: LocalBackend,
+) -> None:
+    from broker.backends.local import PORT_RANGE
+
+    low, high = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    assert PORT_RANGE[1] <= low or PORT_RANGE[0] > high  # no outgoing connection can take one
+    names = ["sm-port-1", "sm-port-2"]
+    for i, name in enumerate(names):
+        backend.create(_spec(name, nonce=f"n-{i}"))
+    ports = [int(backend._load(n)["port"]) for n in names]  # type: ignore[index]
+    assert len(set(ports)) == 2 and all(PORT_RANGE[0] <= p < PORT_RANGE[1] for p in ports)
+    locks = backend.root / ".ports"
+    assert {int(p.name) for p in locks.iterdir()} >= set(ports)
+    for name in names:
+        _ready(backend, name)
+    for i, name in enumerate(names):
+        backend.delete("ns", name, f"n-{i}")
+    assert not {int(p.name) for p in locks.iterdir()} & set(ports)
