@@ -322,9 +322,9 @@ def phase_report(args: argparse.Namespace) -> None:
         "# Sandman broker: performance report",
         "",
         f"Generated {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} at {commit} on "
-        f"{os.cpu_count()} CPUs (load average when rendered: {os.getloadavg()[0]:.1f}; "
-        "each phase's JSON records the machine's load during its own run). Every figure is "
-        "compared with a baseline measured in the same run. Raw figures: `report.json`.",
+        f"{os.cpu_count()} CPUs (load average when rendered: {os.getloadavg()[0]:.1f}). "
+        "Every figure is compared with a baseline measured in the same run. Raw figures: "
+        "`report.json`.",
         "",
     ]
     figures: dict[str, Any] = {}
