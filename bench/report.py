@@ -479,11 +479,16 @@ def phase_report(args: argparse.Namespace) -> None:
             md.append(f"| {name} | {row['n']} | {_ms(row['p50_s'])} | {_ms(row['p99_s'])} |")
         md.append("")
         figures["broker"] = broker["rows"]
-    cold = load("cold_kwok")
-    if cold:
+    for name, how in (
+        ("cold_kwok", "all processes share every CPU"),
+        ("cold_kwok_isolated", "--isolate-cpus: control plane on one CPU, broker on the other"),
+    ):
+        cold = load(name)
+        if not cold:
+            continue
         md += [
             "## Cold acquires on kwok: broker overhead vs API server and node "
-            "(bench/cold_kwok.py, **simulated readiness**, pacing off)",
+            f"(bench/cold_kwok.py, **simulated readiness**, pacing off; {how})",
             "",
             "| concurrency | trainer acquire p50 / p99 | API+node p50 / p99 | "
             "broker overhead p50 / p99 | baseline: bare POST->Ready p50 / p99 |",
@@ -502,7 +507,7 @@ def phase_report(args: argparse.Namespace) -> None:
             ]
             md.append(f"| {key[1:]} | " + " | ".join(cells) + " |")
         md.append("")
-        figures["cold_kwok"] = cold
+        figures[name] = cold
     md += ["## Plots", ""] + [f"![{m}]({m})" for m in made] + [""]
     (OUT / "report.md").write_text("\n".join(md))
     (OUT / "report.json").write_text(json.dumps(figures, indent=1, default=str))

@@ -29,6 +29,9 @@ from typing import Any
 from broker.errors import AcquireTimeout
 
 PREFIX = "sandman:pace"
+# Must stay well below burst / rate of the global bucket (1 s at the defaults), so a
+# job-throttled reservation never eats into the burst other jobs can use now.
+RESERVE_HORIZON_S = 0.25
 
 # KEYS: bucket keys. ARGV: max_wait, then (interval, burst) per key.
 # Returns {granted 0|1, wait seconds, reserved start (Redis time)} as strings.
@@ -120,21 +123,38 @@ class Pacer:
 
     def reserve_at(self, limits: Limits, *, max_wait: float) -> tuple[float, float] | None:
         """Like ``reserve``, also returning the reserved start in Redis server time."""
+        granted, wait, start = self._try(limits, max_wait)
+        return (wait, start) if granted else None
+
+    def _try(self, limits: Limits, max_wait: float) -> tuple[bool, float, float]:
+        """(granted, wait, start); a refusal still says how long the wait would be."""
         keys = [f"{PREFIX}:bucket:global"]
         args: list[Any] = [max_wait, 1.0 / limits.rate, limits.burst]
         if limits.job and limits.job_rate:
             keys.append(f"{PREFIX}:bucket:job:{limits.job}")
             args += [1.0 / limits.job_rate, limits.job_burst or 1]
         granted, wait, start = self._bucket(keys=keys, args=args)
-        return (float(wait), float(start)) if int(granted) else None
+        return bool(int(granted)), float(wait), float(start)
 
     def take(self, limits: Limits, *, deadline: float) -> None:
-        """Block (monotonic ``deadline``) until this caller may start one create."""
-        wait = self.reserve(limits, max_wait=max(0.0, deadline - time.monotonic()))
-        if wait is None:
-            raise AcquireTimeout("create rate limit: no token before the deadline")
-        if wait > 0:
-            time.sleep(wait)
+        """Block (monotonic ``deadline``) until this caller may start one create.
+
+        Reservations are made at most RESERVE_HORIZON_S ahead. A reservation also moves
+        the global bucket to its start time, so a job throttled by its own rate that
+        reserved far ahead would hold every other job back until then. Instead, a caller
+        whose turn is further away sleeps until it is within reach and asks again; a
+        caller whose turn is past its deadline is refused at once.
+        """
+        while True:
+            remaining = deadline - time.monotonic()
+            granted, wait, _ = self._try(limits, max(0.0, min(RESERVE_HORIZON_S, remaining)))
+            if granted:
+                if wait > 0:
+                    time.sleep(wait)
+                return
+            if wait > remaining:
+                raise AcquireTimeout("create rate limit: no token before the deadline")
+            time.sleep(max(0.01, wait - RESERVE_HORIZON_S / 2))
 
     def _sem_keys(self, limits: Limits) -> tuple[list[str], list[int]]:
         keys, caps = [f"{PREFIX}:sem:global"], [limits.max_concurrent]

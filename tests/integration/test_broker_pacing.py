@@ -85,8 +85,35 @@ def test_per_job_rate_applies_on_top_of_the_global_one(pace_redis: str) -> None:
     assert waits[5] == pytest.approx(1.0, abs=0.05)
     # A caller whose deadline is nearer than its turn reserves nothing.
     assert pacer.reserve(limits, max_wait=0.1) is None
-    other = Limits(rate=1000, burst=1000, max_concurrent=10, job="fast")
-    assert pacer.reserve(other, max_wait=0) == pytest.approx(0, abs=0.01)
+
+
+def test_a_throttled_job_does_not_hold_other_jobs_back(pace_redis: str) -> None:
+    """Ten acquires of a job limited to 4/s wait for their turns (2.25 s of them) while
+    another job creates: the other job's creates go at once, inside the global burst."""
+    import threading
+
+    pacer = Pacer(redis.Redis.from_url(pace_redis))
+    slow = Limits(rate=20, burst=20, max_concurrent=100, job="slow", job_rate=4, job_burst=1)
+    fast = Limits(rate=20, burst=20, max_concurrent=100, job="fast")
+    starts: list[float] = []
+
+    def slow_create() -> None:
+        pacer.take(slow, deadline=time.monotonic() + 10)
+        starts.append(time.monotonic())
+
+    threads = [threading.Thread(target=slow_create) for _ in range(10)]
+    for t in threads:
+        t.start()
+    time.sleep(0.3)  # every slow caller has asked for its turn by now
+    t0 = time.monotonic()
+    for _ in range(10):
+        pacer.take(fast, deadline=t0 + 5)
+    assert time.monotonic() - t0 < 0.2  # was > 1 s when slow turns were reserved far ahead
+    for t in threads:
+        t.join(15)
+    assert len(starts) == 10
+    starts.sort()
+    assert starts[-1] - starts[0] >= 9 / 4 - 0.05  # the slow job still kept to 4/s
 
 
 def test_concurrency_cap_and_killed_holder(pace_redis: str) -> None:
