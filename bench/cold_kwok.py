@@ -37,7 +37,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench.scale import OUT, Harness, bare_pod, summary  # noqa: E402
+from bench.scale import CPU, IMAGE, MEMORY, OUT, Harness, bare_pod, summary  # noqa: E402
 
 
 def bare_create_to_ready(h: Harness, n: int, conc: int, tag: str) -> list[float]:
@@ -153,6 +153,11 @@ def restore(saved: dict[int, set[int]]) -> None:
                 os.sched_setaffinity(int(task.name), everything)
 
 
+def acquire(h: Harness) -> Any:
+    """One cold acquire of the smallest pod kwok accepts, through the trainer client."""
+    return h.client.open(image=IMAGE, cpu=CPU, memory=MEMORY, job=h.job, timeout=300)
+
+
 def ready_api_s(h: Harness, sandbox_ids: list[str]) -> dict[str, float]:
     from sqlalchemy import select
 
@@ -196,14 +201,7 @@ def main() -> int:
             saved = isolate(h)
         # Warm up: first creates pay for connection pools, configmaps and the owner object.
         for _ in range(3):
-            sb = h.client.open(
-                image="localhost/sandman-task-base:v1",
-                cpu="10m",
-                memory="16Mi",
-                job=h.job,
-                timeout=120,
-            )
-            sb.release()
+            acquire(h).release()
         print(f"{'':28} {'p50':>9} {'p99':>9}   (ms)", flush=True)
         for conc in [int(c) for c in args.concurrency.split(",")]:
             per = args.per if conc < 100 else 1
@@ -219,13 +217,7 @@ def main() -> int:
                 lock: threading.Lock = lock,
             ) -> None:
                 for _ in range(per):
-                    sb = h.client.open(
-                        image="localhost/sandman-task-base:v1",
-                        cpu="10m",
-                        memory="16Mi",
-                        job=h.job,
-                        timeout=300,
-                    )
+                    sb = acquire(h)
                     with lock:
                         lat.append(sb.acquire_s)
                         held.append(sb)
