@@ -46,6 +46,10 @@ LIVE_STATES = frozenset(
     {State.REQUESTED, State.CREATING, State.READY, State.RELEASING, State.ABANDONED, State.FAILED}
 )
 TERMINAL_STATES = frozenset({State.DELETED})
+# What a job's live-pod cap counts: every live state except `failed`, a row that never got
+# (or never owned) a pod and stays failed for good. Intents count, so rows admitted under
+# the cap cannot pile up behind the pacer.
+CAPPED_STATES = LIVE_STATES - {State.FAILED}
 
 
 def can_transition(current: State, target: State) -> bool:

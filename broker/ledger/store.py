@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session
 
 from broker.errors import IllegalTransition, InvalidRequest, UnknownJob
 from broker.ledger.models import Event, Job, Leak, Sandbox, new_id, utcnow
-from broker.ledger.states import Role, State, can_transition
+from broker.ledger.states import CAPPED_STATES, Role, State, can_transition
 
 _STAMP = {
     State.CREATING: "creating_at",
@@ -205,11 +205,6 @@ def append_event(
     return event
 
 
-# Every state in which a row may have (or may soon have) a pod: the live-pod cap counts
-# these, intents included, so rows admitted under the cap cannot pile up behind the pacer.
-LIVE_STATES = (State.REQUESTED, State.CREATING, State.READY, State.ABANDONED, State.RELEASING)
-
-
 def count_live_locked(session: Session, job: str) -> int:
     """Live rows of ``job``, counted under a per-job transaction-scoped advisory lock.
 
@@ -220,7 +215,7 @@ def count_live_locked(session: Session, job: str) -> int:
         session.scalar(
             select(func.count())
             .select_from(Sandbox)
-            .where(Sandbox.job == job, Sandbox.state.in_(LIVE_STATES))
+            .where(Sandbox.job == job, Sandbox.state.in_([s.value for s in CAPPED_STATES]))
         )
         or 0
     )

@@ -142,6 +142,24 @@ def _wait_state(sessions: Any, sandbox_id: str, state: State, timeout: float = 2
         time.sleep(0.05)
 
 
+def _concurrently(fn: Any, n: int) -> list[BaseException]:
+    """Run ``fn`` in ``n`` threads at once; return what any of them raised."""
+    errors: list[BaseException] = []
+
+    def guarded() -> None:
+        try:
+            fn()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=guarded) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return errors
+
+
 def _pids(settings: Settings, pod_name: str) -> list[int]:
     meta = json.loads((settings.state_dir / "local-pods" / f"{pod_name}.json").read_text())
     return [int(meta["pid"]), int(meta["child_pid"])]
@@ -206,22 +224,13 @@ def test_live_pod_cap_is_hard_under_concurrent_acquires(
 ) -> None:
     cap, trainers = 2, 6
     job = _job(sessions, "capped", max_live=cap)
-    errors: list[BaseException] = []
 
     def rollout() -> None:
-        try:
-            with client.acquire(image=IMAGE, job=job, timeout=60) as sb:
-                sb.exec("true")
-                time.sleep(0.3)
-        except BaseException as exc:
-            errors.append(exc)
+        with client.acquire(image=IMAGE, job=job, timeout=60) as sb:
+            sb.exec("true")
+            time.sleep(0.3)
 
-    threads = [threading.Thread(target=rollout) for _ in range(trainers)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors
+    assert not _concurrently(rollout, trainers)
     with sessions() as session:
         rows = session.scalars(select(Sandbox).where(Sandbox.job == job)).all()
         assert len(rows) == trainers
@@ -257,20 +266,7 @@ def test_burst_is_absorbed_by_the_queue(
     rate, burst, n = 8.0, 2, 12
     job = _job(sessions, "bursty", create_rate=rate, create_burst=burst)
     got: list[Any] = []
-    errors: list[BaseException] = []
-
-    def one() -> None:
-        try:
-            sb = client.open(image=IMAGE, job=job, timeout=60)
-            got.append(sb)
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=one) for _ in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    errors = _concurrently(lambda: got.append(client.open(image=IMAGE, job=job, timeout=60)), n)
     assert not errors and len(got) == n
     with sessions() as session:
         stamps = sorted(
