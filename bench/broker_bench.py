@@ -24,6 +24,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from broker.names import Queue, Task
+
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
@@ -85,13 +87,13 @@ def main() -> int:
 
     from broker.backends.base import PodSpec
     from broker.backends.local import LocalBackend
-    from broker.client import SandboxClient
-    from broker.db import make_engine, make_session_factory
+    from broker.client.sync import SandboxClient
     from broker.ledger import store
+    from broker.ledger.db import make_engine, make_session_factory
     from broker.ledger.models import Sandbox
-    from broker.pools import WarmStore, pool_key
+    from broker.local.stack import Stack, running_stack
+    from broker.pools.store import WarmStore, pool_key
     from broker.settings import Settings
-    from broker.stack import Stack, running_stack
 
     settings = Settings.from_env()
     if running_stack(settings):
@@ -162,7 +164,7 @@ def main() -> int:
             warm = WarmStore(client.redis)
 
             def fill() -> None:
-                client.send("sandman.pool_upkeep", [], "pool")
+                client.send(Task.POOL_UPKEEP, [], Queue.POOL)
                 deadline = time.monotonic() + 120
                 while warm.size(warm_job, key) < size and time.monotonic() < deadline:
                     time.sleep(0.1)
@@ -190,7 +192,7 @@ def main() -> int:
                     sb.release()
             with sessions.begin() as session:
                 store.ensure_job(session, warm_job, warm_pools=[])
-            client.send("sandman.pool_upkeep", [], "pool")
+            client.send(Task.POOL_UPKEEP, [], Queue.POOL)
 
         def drained(prefix: str) -> None:
             """Wait until the previous phase's sandboxes are gone: no CPU stolen from the next."""
@@ -242,7 +244,7 @@ def main() -> int:
             with sessions.begin() as session:
                 store.ensure_job(session, pace_job, create_rate=rate, create_burst=burst)
             n = int(rate * args.duration + burst)
-            from broker.client import request_body
+            from broker.wire.request import request_body
 
             requests = [
                 request_body(
@@ -262,7 +264,7 @@ def main() -> int:
             ]
             t0 = time.perf_counter()
             for request in requests:  # the whole burst is in the queue within milliseconds
-                client.send("sandman.acquire", [request], "acquire")
+                client.send(Task.ACQUIRE, [request], "acquire")
             pending = list(requests)
 
             def paced() -> None:

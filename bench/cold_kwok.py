@@ -42,7 +42,7 @@ from bench.scale import CPU, IMAGE, MEMORY, OUT, Harness, bare_pod, summary  # n
 
 def bare_create_to_ready(h: Harness, n: int, conc: int, tag: str) -> list[float]:
     """POST + wait for Ready on a watch, per pod, ``conc`` at a time (then delete)."""
-    from broker.kube.backend import pod_info
+    from broker.backends.kube.backend import pod_info
 
     ns = h.settings.namespace
     names = [f"bare-{tag}-{conc}-{i}" for i in range(n)]

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import psycopg
 
-from broker.localservices import ensure_services
-from broker.migrate import upgrade
+from bench.harness.campaign import main_json, run_campaign
+from broker.ledger.migrate import upgrade
+from broker.local.services import ensure_services
 from broker.settings import Settings
-from broker.testing.campaign import main_json, run_campaign
 
 
 def main() -> int:

@@ -84,17 +84,17 @@ def main() -> int:
     )
     from sqlalchemy import func, select
 
-    from broker.client import SandboxClient
-    from broker.db import make_engine, make_session_factory
+    from broker.acquire.service import make_backend
+    from broker.client.sync import SandboxClient
     from broker.errors import SandmanError, ServiceUnavailable
-    from broker.gc import run_gc
     from broker.ledger import store
+    from broker.ledger.db import make_engine, make_session_factory
     from broker.ledger.models import Sandbox
     from broker.ledger.states import State
-    from broker.localservices import stop_postgres, stop_redis
-    from broker.service import make_backend
+    from broker.local.services import stop_postgres, stop_redis
+    from broker.local.stack import Stack
+    from broker.ownership.gc import run_gc
     from broker.settings import Settings
-    from broker.stack import Stack
 
     settings = Settings.from_env()
     stack = Stack(settings)
@@ -206,7 +206,7 @@ def main() -> int:
     }
     time.sleep(3)  # releases in flight
     provider_settings = settings
-    from broker.provider import Provider
+    from broker.ownership.provider import Provider
 
     backend = make_backend(provider_settings)
     report = run_gc(Provider(provider_settings, sessions, backend, actor="load-gc"))

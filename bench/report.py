@@ -84,13 +84,13 @@ def load(name: str) -> dict[str, Any] | None:
 
 def phase_replay(args: argparse.Namespace) -> None:
     os.environ.update(local_env())
-    from broker.client import SandboxClient
-    from broker.db import make_engine, make_session_factory
-    from broker.localservices import stop_postgres, stop_redis
+    from broker.client.sync import SandboxClient
+    from broker.ledger.db import make_engine, make_session_factory
+    from broker.local.services import stop_postgres, stop_redis
+    from broker.local.stack import Stack
     from broker.replay import Policy, write_trace
     from broker.replay.validate import drive, synthetic_trace
     from broker.settings import Settings
-    from broker.stack import Stack
 
     settings = Settings.from_env()
     events = synthetic_trace(n=args.replay_n, span_s=args.replay_span)
@@ -209,7 +209,7 @@ def phase_broker(args: argparse.Namespace) -> None:
             "wall_s": time.monotonic() - started,
         },
     )
-    from broker.localservices import stop_postgres, stop_redis
+    from broker.local.services import stop_postgres, stop_redis
     from broker.settings import Settings
 
     settings = Settings.from_env(local_env())

@@ -250,11 +250,11 @@ class Harness:
         self.kubeconfig = kubeconfig_path()
         self.env = scale_env(args, self.kubeconfig, tag)
         os.environ.update(self.env)
-        from broker.client import SandboxClient
-        from broker.db import make_engine, make_session_factory
-        from broker.kube.api import Kube, load_api_client
+        from broker.backends.kube.api import Kube, load_api_client
+        from broker.client.sync import SandboxClient
+        from broker.ledger.db import make_engine, make_session_factory
+        from broker.local.stack import Stack
         from broker.settings import Settings
-        from broker.stack import Stack
 
         self.settings = Settings.from_env()
         self.kube = Kube(load_api_client(self.kubeconfig, qps_pool=128))
@@ -262,7 +262,7 @@ class Harness:
         self.stack = Stack(self.settings)
         self.stack.start(web=False, echo=False)
         self.extra: list[subprocess.Popen[bytes]] = []
-        from broker.stack import child_env, worker_argv
+        from broker.local.stack import child_env, worker_argv
 
         extra = [("acquire", 48)] * args.extra_acquire_workers
         extra += [("release", 32)] * getattr(args, "extra_release_workers", 0)
@@ -302,7 +302,7 @@ class Harness:
         self.meter = Meter(pids)
 
     def request(self, timeout: float) -> dict[str, Any]:
-        from broker.client import request_body
+        from broker.wire.request import request_body
 
         return request_body(
             image=IMAGE,
@@ -459,9 +459,9 @@ class Harness:
             time.sleep(1.0)
 
     def gc_pass(self) -> dict[str, Any]:
-        from broker.gc import run_gc
-        from broker.kube.backend import KubeBackend
-        from broker.provider import Provider
+        from broker.backends.kube.backend import KubeBackend
+        from broker.ownership.gc import run_gc
+        from broker.ownership.provider import Provider
 
         provider = Provider(self.settings, self.sessions, KubeBackend.from_settings(self.settings))
         report = run_gc(provider)
@@ -525,7 +525,7 @@ class Harness:
                 proc.kill()
         self.stack.stop()
         self.engine.dispose()
-        from broker.localservices import stop_postgres, stop_redis
+        from broker.local.services import stop_postgres, stop_redis
 
         stop_postgres(self.settings)
         stop_redis(self.settings)

@@ -4,7 +4,7 @@
 
 Needs the local cluster (deploy/localcluster/up.sh, or SANDMAN_TEST_KUBECONFIG). Starts its
 own PostgreSQL, Redis, workers and beat in a temporary state dir on free ports; see
-broker/testing/syscampaign.py for the faults and invariants. Exits 1 on any violation.
+bench/harness/syscampaign.py for the faults and invariants. Exits 1 on any violation.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from broker.testing.syscampaign import FAULT_KINDS, Config, run  # noqa: E402
+from bench.harness.syscampaign import FAULT_KINDS, Config, run  # noqa: E402
 
 
 def kubeconfig() -> str:

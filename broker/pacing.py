@@ -26,9 +26,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from broker import names
 from broker.errors import AcquireTimeout
 
-PREFIX = "sandman:pace"
+PREFIX = names.PACE_PREFIX
 # Must stay well below burst / rate of the global bucket (1 s at the defaults), so a
 # job-throttled reservation never eats into the burst other jobs can use now.
 RESERVE_HORIZON_S = 0.25
@@ -128,7 +129,7 @@ class Pacer:
 
     def _try(self, limits: Limits, max_wait: float) -> tuple[bool, float, float]:
         """(granted, wait, start); a refusal still says how long the wait would be."""
-        keys = [f"{PREFIX}:bucket:global"]
+        keys = [names.PACE_BUCKET_GLOBAL]
         args: list[Any] = [max_wait, 1.0 / limits.rate, limits.burst]
         if limits.job and limits.job_rate:
             keys.append(f"{PREFIX}:bucket:job:{limits.job}")
@@ -157,7 +158,7 @@ class Pacer:
             time.sleep(max(0.01, wait - RESERVE_HORIZON_S / 2))
 
     def _sem_keys(self, limits: Limits) -> tuple[list[str], list[int]]:
-        keys, caps = [f"{PREFIX}:sem:global"], [limits.max_concurrent]
+        keys, caps = [names.PACE_SEM_GLOBAL], [limits.max_concurrent]
         if limits.job and limits.job_max_concurrent:
             keys.append(f"{PREFIX}:sem:job:{limits.job}")
             caps.append(limits.job_max_concurrent)
@@ -175,7 +176,7 @@ class Pacer:
         pipe.execute()
 
     def in_flight(self) -> int:
-        return int(self.redis.zcard(f"{PREFIX}:sem:global"))
+        return int(self.redis.zcard(names.PACE_SEM_GLOBAL))
 
     @contextlib.contextmanager
     def create_slot(self, limits: Limits, *, deadline: float) -> Iterator[None]:

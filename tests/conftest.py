@@ -14,6 +14,9 @@ from pathlib import Path
 
 import pytest
 
+# Fixtures shared across feature folders (execd daemons, the admin app over a fake backend).
+pytest_plugins = ["tests.support.execd_daemon", "tests.support.web_app"]
+
 TIERS = ("unit", "integration", "cluster")
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
@@ -42,7 +45,7 @@ def sandman_settings():  # type: ignore[no-untyped-def]
 
 @pytest.fixture(scope="session")
 def service_urls(sandman_settings):  # type: ignore[no-untyped-def]
-    from broker.localservices import ensure_services
+    from broker.local.services import ensure_services
 
     try:
         return ensure_services(sandman_settings)
@@ -55,7 +58,7 @@ def database_url(service_urls) -> Iterator[str]:  # type: ignore[no-untyped-def]
     """A fresh database for this test session, migrated to head by Alembic."""
     import psycopg
 
-    from broker.migrate import upgrade
+    from broker.ledger.migrate import upgrade
 
     base = service_urls.database_url
     name = f"sandman_test_{secrets.token_hex(4)}"
@@ -83,7 +86,7 @@ def redis_url(service_urls) -> str:  # type: ignore[no-untyped-def]
 
 @pytest.fixture(scope="session")
 def db_engine(database_url):  # type: ignore[no-untyped-def]
-    from broker.db import make_engine
+    from broker.ledger.db import make_engine
 
     engine = make_engine(database_url)
     yield engine
@@ -92,7 +95,7 @@ def db_engine(database_url):  # type: ignore[no-untyped-def]
 
 @pytest.fixture
 def sessions(db_engine):  # type: ignore[no-untyped-def]
-    from broker.db import make_session_factory
+    from broker.ledger.db import make_session_factory
 
     return make_session_factory(db_engine)
 

@@ -14,9 +14,9 @@ from typing import Any
 
 from flask import Flask
 
+from broker.acquire.root import Services
 from broker.settings import Settings
 from web import security
-from web.services import Services
 
 log = logging.getLogger(__name__)
 

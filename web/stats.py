@@ -16,18 +16,18 @@ from typing import Any
 from sqlalchemy import func, select, text
 from sqlalchemy.orm import Session
 
-from broker import gc
+from broker import names
 from broker.ledger.models import Event, Leak, Sandbox, utcnow
 from broker.ledger.states import LIVE_STATES
 
 log = logging.getLogger(__name__)
 
-QUEUES = ("acquire", "release", "pool")
-PACER_BUCKET = "sandman:pace:bucket:global"
-PACER_SEM = "sandman:pace:sem:global"
+QUEUES = tuple(q.value for q in names.Queue)
+PACER_BUCKET = names.PACE_BUCKET_GLOBAL
+PACER_SEM = names.PACE_SEM_GLOBAL
 # Where the latest GC pass report is kept (written by the beat GC task and the admin
 # "run GC" action).
-GC_LAST_KEY = gc.GC_LAST_KEY
+GC_LAST_KEY = names.GC_LAST_KEY
 LATENCY_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
 LIVE_VALUES = [s.value for s in LIVE_STATES]
 

@@ -12,8 +12,9 @@ from __future__ import annotations
 from typing import Any
 
 from celery import Celery
-from kombu import Queue
+from kombu import Queue as KombuQueue
 
+from broker.names import TASK_QUEUE, Queue, Task
 from broker.settings import Settings
 
 # Above the longest task: an acquire waits for the pacer and a readiness budget, a pool
@@ -23,7 +24,7 @@ VISIBILITY_TIMEOUT_S = 3600
 
 def celery_config(settings: Settings) -> dict[str, Any]:
     """Celery settings for ``settings``; shared by workers, beat and the client."""
-    from broker.localservices import ensure_services
+    from broker.local.services import ensure_services
 
     redis_url = settings.redis_url or ensure_services(settings).redis_url
     return {
@@ -34,25 +35,17 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "result_serializer": "json",
         "accept_content": ["json"],
         "event_serializer": "json",
-        "task_queues": [Queue("acquire"), Queue("release"), Queue("pool")],
-        "task_default_queue": "acquire",
-        "task_routes": {
-            "sandman.acquire": {"queue": "acquire"},
-            "sandman.release": {"queue": "release"},
-            "sandman.claimed": {"queue": "release"},
-            "sandman.heartbeat": {"queue": "release"},
-            "sandman.pool_refill": {"queue": "pool"},
-            "sandman.pool_upkeep": {"queue": "pool"},
-            "sandman.gc": {"queue": "pool"},
-        },
+        "task_queues": [KombuQueue(q.value) for q in Queue],
+        "task_default_queue": Queue.ACQUIRE.value,
+        "task_routes": {task.value: {"queue": queue.value} for task, queue in TASK_QUEUE.items()},
         "broker_transport_options": {"visibility_timeout": VISIBILITY_TIMEOUT_S},
         "broker_connection_retry_on_startup": True,
         "worker_prefetch_multiplier": 1,
         "worker_hijack_root_logger": False,
         "task_acks_on_failure_or_timeout": True,
         "beat_schedule": {
-            "gc": {"task": "sandman.gc", "schedule": settings.gc_interval_s},
-            "pool-upkeep": {"task": "sandman.pool_upkeep", "schedule": 5.0},
+            "gc": {"task": Task.GC, "schedule": settings.gc_interval_s},
+            "pool-upkeep": {"task": Task.POOL_UPKEEP, "schedule": 5.0},
         },
         "timezone": "UTC",
     }

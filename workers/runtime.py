@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from broker.service import Broker
+from broker.acquire.service import Broker
 
 _lock = threading.Lock()
 _built: dict[str, Broker] = {}
@@ -33,9 +33,9 @@ def broker() -> Broker:
 def _build() -> Broker:
     import redis
 
-    from broker.db import make_engine, make_session_factory
-    from broker.localservices import ensure_services
-    from broker.service import make_backend
+    from broker.acquire.service import make_backend
+    from broker.ledger.db import make_engine, make_session_factory
+    from broker.local.services import ensure_services
     from broker.settings import Settings
 
     settings = Settings.from_env()

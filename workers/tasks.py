@@ -1,4 +1,4 @@
-"""Thin tasks: primitive ids in, a ``broker.service`` call, nothing else.
+"""Thin tasks: primitive ids in, a ``broker.acquire.service`` call, nothing else.
 
 Idempotence, and so ``acks_late``: an acquire is keyed by its request id (the provider's
 intent is idempotent and tokens are derived), a release settles whatever state it finds,
@@ -12,21 +12,22 @@ from typing import Any
 
 from celery.signals import worker_ready
 
+from broker.names import Task
 from workers.app import app
 from workers.runtime import broker
 
 
-@app.task(name="sandman.acquire", acks_late=True, reject_on_worker_lost=True)
+@app.task(name=Task.ACQUIRE, acks_late=True, reject_on_worker_lost=True)
 def acquire(request: dict[str, Any]) -> dict[str, Any]:
     return broker().acquire_and_deliver(request)
 
 
-@app.task(name="sandman.release", acks_late=True, reject_on_worker_lost=True)
+@app.task(name=Task.RELEASE, acks_late=True, reject_on_worker_lost=True)
 def release(sandbox_id: str, reason: str = "released") -> str:
     return broker().release(sandbox_id, reason)
 
 
-@app.task(name="sandman.claimed", acks_late=True)
+@app.task(name=Task.CLAIMED, acks_late=True)
 def claimed(
     sandbox_id: str,
     request_id: str,
@@ -40,27 +41,27 @@ def claimed(
     broker().claimed(sandbox_id, request_id, owner, latency_s, when)
 
 
-@app.task(name="sandman.heartbeat", ignore_result=True)
+@app.task(name=Task.HEARTBEAT, ignore_result=True)
 def heartbeat(sandbox_id: str, owner: str | None = None) -> str:
     return broker().heartbeat(sandbox_id, owner)
 
 
-@app.task(name="sandman.pool_refill", acks_late=True, reject_on_worker_lost=True)
+@app.task(name=Task.POOL_REFILL, acks_late=True, reject_on_worker_lost=True)
 def pool_refill(sandbox_id: str) -> str:
     return broker().refill(sandbox_id)
 
 
-@app.task(name="sandman.pool_upkeep", acks_late=True)
+@app.task(name=Task.POOL_UPKEEP, acks_late=True)
 def pool_upkeep() -> dict[str, Any]:
     return broker().upkeep_all()
 
 
-@app.task(name="sandman.gc", acks_late=True)
+@app.task(name=Task.GC, acks_late=True)
 def gc() -> dict[str, object]:
     import contextlib
     import json
 
-    from broker.gc import GC_LAST_KEY, run_gc, summarize
+    from broker.ownership.gc import GC_LAST_KEY, run_gc, summarize
 
     report = run_gc(broker().provider)
     if not report.skipped_locked:

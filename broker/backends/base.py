@@ -13,14 +13,29 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-# Label keys shared by every backend. Values identify the owner precisely.
-LABEL_INSTALLATION = "sandman.io/installation"
-LABEL_JOB = "sandman.io/job"
-LABEL_SANDBOX = "sandman.io/sandbox"
-LABEL_NONCE = "sandman.io/nonce"
-LABEL_ROLE = "sandman.io/role"
-LABEL_EGRESS = "sandman.io/egress"  # "denied" when the job denies egress
-MANAGED_BY = "app.kubernetes.io/managed-by"
+# Label keys (defined in broker.names), re-exported: the backends speak in labels.
+from broker.names import (
+    LABEL_EGRESS,
+    LABEL_INSTALLATION,
+    LABEL_JOB,
+    LABEL_NONCE,
+    LABEL_ROLE,
+    LABEL_SANDBOX,
+    MANAGED_BY,
+)
+
+__all__ = [
+    "LABEL_EGRESS",
+    "LABEL_INSTALLATION",
+    "LABEL_JOB",
+    "LABEL_NONCE",
+    "LABEL_ROLE",
+    "LABEL_SANDBOX",
+    "MANAGED_BY",
+    "Backend",
+    "PodInfo",
+    "PodSpec",
+]
 
 
 @dataclass(frozen=True)

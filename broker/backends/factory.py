@@ -8,7 +8,7 @@ from broker.settings import Settings
 
 def make_backend(settings: Settings) -> Backend:
     if settings.backend == "kubernetes":
-        from broker.kube.backend import KubeBackend
+        from broker.backends.kube.backend import KubeBackend
 
         backend = KubeBackend.from_settings(settings)
         backend.ensure_namespace(settings.namespace)

@@ -1,6 +1,6 @@
 """The trainer-facing grading API: ``grade(task, patch)``, sync and asyncio.
 
-    from broker.client import SandboxClient
+    from broker.client.sync import SandboxClient
     from broker.grading import GradingClient, load_task
 
     grader = GradingClient(SandboxClient(redis_url), job="rl-1")
@@ -23,7 +23,7 @@ import asyncio
 from contextlib import AbstractContextManager
 from pathlib import Path
 
-from broker.client import SandboxClient
+from broker.client.sync import SandboxClient
 from broker.grading.grade import GradeConfig, Grader
 from broker.grading.patch import ExtractedPatch, extract_patch
 from broker.grading.results import GradeResult

@@ -2,7 +2,7 @@
 
 Used by integration tests (execd processes started by the test) and by operators who
 want to grade against an execd they started themselves. Errors map onto the same
-typed tree as ``broker.client.Sandbox``: transport failures and 5xx are SandboxLost
+typed tree as ``broker.client.sync.Sandbox``: transport failures and 5xx are SandboxLost
 (infrastructure), 4xx are ExecError.
 """
 
@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 
-from broker.client import ExecResult, execd_answer
+from broker.client.sync import ExecResult, execd_answer
 from broker.errors import SandboxLost
 
 

@@ -31,7 +31,7 @@ from broker.grading.probe import ProbeContradiction, ProbeReport, run_probe
 from broker.grading.results import Attempt, GradeResult, Verdict
 from broker.grading.seam import Acquire, GradingSandbox, SandboxRequest
 from broker.grading.spec import TaskSpec
-from broker.validation import parse_memory
+from broker.wire.validation import parse_memory
 
 log = logging.getLogger(__name__)
 WORK = "/tmp/sandman-grade"  # noqa: S108 (inside the sandbox, not here)

@@ -1,6 +1,6 @@
 """The one seam grading depends on: a sandbox that runs commands and moves files.
 
-``broker.client.Sandbox`` (a leased pod) and ``broker.grading.direct.DirectSandbox`` (an
+``broker.client.sync.Sandbox`` (a leased pod) and ``broker.grading.direct.DirectSandbox`` (an
 execd you started yourself) both satisfy it; unit tests put fakes here and nowhere else.
 An ``Acquire`` turns a request into a context manager that releases on exit.
 """
@@ -12,7 +12,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from broker.client import ExecResult
+from broker.client.sync import ExecResult
 
 
 class GradingSandbox(Protocol):

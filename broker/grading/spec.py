@@ -21,7 +21,7 @@ from typing import Any
 from broker.errors import InvalidRequest
 from broker.grading.patchfmt import patch_paths
 from broker.grading.schema import Issue, task_schema, validate
-from broker.validation import parse_memory, validate_image
+from broker.wire.validation import parse_memory, validate_image
 
 yaml: Any = importlib.import_module("yaml")  # PyYAML (untyped)
 

@@ -1,6 +1,6 @@
 """A virtual-time simulator of the broker's warm pools, driven by a trace.
 
-It mirrors what the broker does (``broker.service`` upkeep, ``broker.pools`` claims):
+It mirrors what the broker does (``broker.acquire.service`` upkeep, ``broker.pools.store`` claims):
 
 * a request first tries a warm pod of its image, oldest first (the Redis list is FIFO);
   a hit costs ``hit_s``; a miss creates a pod on demand (``create_s`` after its paced start);

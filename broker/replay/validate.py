@@ -22,7 +22,8 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from broker.ledger import store
 from broker.ledger.models import Sandbox
-from broker.pools import WarmStore, pool_key
+from broker.names import Queue, Task
+from broker.pools.store import WarmStore, pool_key
 from broker.replay.sim import Policy, percentile, simulate
 from broker.replay.trace import TraceEvent
 
@@ -98,7 +99,7 @@ def drive(
         store.ensure_job(session, job, warm_pools=pools, idle_timeout_s=policy.idle_timeout_s)
     warm = WarmStore(client.redis)
     keys = {img: pool_key(img, None, None, CPU_M, MEMORY_B) for img in policy.warm}
-    client.send("sandman.pool_upkeep", [], "pool")
+    client.send(Task.POOL_UPKEEP, [], Queue.POOL)
     deadline = time.monotonic() + fill_timeout_s
     while any(warm.size(job, keys[i]) < n for i, n in policy.warm.items()):
         if time.monotonic() > deadline:
@@ -161,7 +162,7 @@ def drive(
     ).to_dict()
     with sessions.begin() as session:
         store.ensure_job(session, job, warm_pools=[])
-    client.send("sandman.pool_upkeep", [], "pool")
+    client.send(Task.POOL_UPKEEP, [], Queue.POOL)
     return {
         "job": job,
         "speed": speed,

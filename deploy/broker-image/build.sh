@@ -12,8 +12,8 @@
 #   layer 2  /opt/sandman/venv: a venv made by the image's own python3.11 in a chroot,
 #            with the project wheel and its dependencies installed offline
 #            (pip install --no-index --find-links); migrations/ and alembic.ini copied
-#            into site-packages, next to the broker package, where broker/migrate.py
-#            looks for them (execd/ is a package of the wheel, where broker/kube/podspec.py
+#            into site-packages, next to the broker package, where broker/ledger/migrate.py
+#            looks for them (execd/ is a package of the wheel, where broker/backends/kube/podspec.py
 #            looks for it); user sandman uid/gid 10001; /var/lib/sandman owned by it.
 #
 # Caches (outside the repo, keyed by content hashes of their inputs):
@@ -173,7 +173,7 @@ find "$SITE/migrations" "$R/opt/sandman/alembic.ini" -exec touch {} +
 chroot "$R" /opt/sandman/venv/bin/python -m compileall -q /opt/sandman/venv/lib/python3.11/site-packages/migrations >/dev/null
 # smoke test inside the chroot: entry point, migrations and execd where the code looks
 chroot "$R" /opt/sandman/venv/bin/python -c '
-import broker.migrate as m, broker.kube.podspec as p
+import broker.ledger.migrate as m, broker.backends.kube.podspec as p
 assert (m._MIGRATIONS / "env.py").is_file(), m._MIGRATIONS
 assert p.execd_files(), p.EXECD_DIR
 ' || die "image layout check failed (migrations/ or execd/ not where the code looks)"

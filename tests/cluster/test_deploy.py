@@ -394,8 +394,8 @@ def test_localcluster_overlay_serves_acquire_exec_release(
     created = json.loads(_exec(kubectl, "deploy/sandman-worker", "sandman", "job", "create", job))
     assert created["job"] == job
     # The sandbox must land on the real node (the kwok nodes run no containers).
-    from broker.db import make_engine, make_session_factory
     from broker.ledger import store
+    from broker.ledger.db import make_engine, make_session_factory
 
     engine = make_engine(LC_DATABASE_URL, pool_size=1, max_overflow=0)
     try:
@@ -404,7 +404,7 @@ def test_localcluster_overlay_serves_acquire_exec_release(
     finally:
         engine.dispose()
 
-    from broker.client import SandboxClient
+    from broker.client.sync import SandboxClient
 
     client = SandboxClient(LC_REDIS_URL, heartbeat_s=None)
     try:

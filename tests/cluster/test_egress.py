@@ -21,8 +21,8 @@ from typing import Any
 
 import pytest
 
-from broker.kube.api import Kube, load_api_client
-from broker.kube.egress_probe import EgressVerdict, format_result, probe_egress
+from broker.backends.kube.api import Kube, load_api_client
+from broker.backends.kube.egress_probe import EgressVerdict, format_result, probe_egress
 from tests.cluster.conftest import REAL_NODE_SELECTOR, TASK_BASE_IMAGE, UP_SCRIPT, _unavailable
 
 pytestmark = pytest.mark.cluster

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from broker.client import Sandbox, SandboxClient
+from broker.client.sync import Sandbox, SandboxClient
 from broker.grading import GradeConfig, Grader, GradingClient, Verdict, load_task
 from broker.grading.api import broker_acquire
 from broker.grading.seam import SandboxRequest
@@ -45,7 +45,7 @@ def stack(  # type: ignore[no-untyped-def]
     import redis as redis_lib
     from kubernetes import client as k8s
 
-    from broker.db import make_engine, make_session_factory
+    from broker.ledger.db import make_engine, make_session_factory
 
     namespace = f"lc-grading-{secrets.token_hex(3)}"
     core_v1.create_namespace(k8s.V1Namespace(metadata=k8s.V1ObjectMeta(name=namespace)))

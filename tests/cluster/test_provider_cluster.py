@@ -12,20 +12,20 @@ import time
 import pytest
 from sqlalchemy import select
 
+from bench.harness.faultproxy import FaultProxy, Rule
 from broker.backends.base import LABEL_INSTALLATION, LABEL_JOB, LABEL_NONCE
+from broker.backends.kube.api import Kube, load_api_client
+from broker.backends.kube.backend import KubeBackend
+from broker.backends.kube.podspec import owner_name
 from broker.errors import AcquireTimeout, SandmanError
-from broker.execd_probe import execd_answers
-from broker.gc import run_gc
-from broker.kube.api import Kube, load_api_client
-from broker.kube.backend import KubeBackend
-from broker.kube.podspec import owner_name
 from broker.ledger import store
 from broker.ledger.models import Event, Leak, Sandbox
 from broker.ledger.states import State
-from broker.provider import Provider
-from broker.provider_api import AcquireSpec
+from broker.ownership.gc import run_gc
+from broker.ownership.provider import Provider
 from broker.settings import Settings
-from broker.testing.faultproxy import FaultProxy, Rule
+from broker.wire.execd import execd_answers
+from broker.wire.types import AcquireSpec
 from tests.cluster.conftest import (
     KWOK_NODE_SELECTOR,
     KWOK_TOLERATION,
@@ -180,7 +180,7 @@ def test_adoption_after_a_lost_create_response(
 
 
 def _crash_after_create(settings, database_url, out):
-    from broker.db import make_engine, make_session_factory
+    from broker.ledger.db import make_engine, make_session_factory
 
     def crash(name):
         if name == "after-create-sent":
@@ -266,7 +266,7 @@ def test_sentinel_pods_are_never_deleted(provider, settings, kubeconfig_path):
 
 
 def test_short_fault_campaign_keeps_every_invariant(kubeconfig_path, database_url, tmp_path):
-    from broker.testing.campaign import run_campaign
+    from bench.harness.campaign import run_campaign
 
     result = run_campaign(
         kubeconfig=kubeconfig_path,

@@ -2,7 +2,7 @@
 
 Own stack (embedded PostgreSQL and Redis on free ports, Celery workers and beat as
 subprocesses), trainers as subprocesses on kwok nodes, every fault kind injected at least
-once, and every invariant must read 0. See broker/testing/syscampaign.py.
+once, and every invariant must read 0. See bench/harness/syscampaign.py.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from broker.testing.syscampaign import FAULT_KINDS, Config, run
+from bench.harness.syscampaign import FAULT_KINDS, Config, run
 
 pytestmark = pytest.mark.cluster
 

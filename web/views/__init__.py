@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from flask import current_app, g, request
 
-from web.services import Services
+from broker.acquire.root import Services
 
 
 def services() -> Services:

@@ -10,7 +10,8 @@ from typing import Any
 
 from flask import Blueprint, jsonify, request
 
-from web import leakops, listing, params, serialize, stats
+from broker.ownership import leaks as leakops
+from web import listing, params, serialize, stats
 from web.openapi import spec
 from web.views import actor, audit, jobs, sandboxes, services
 from web.views.leaks import query_leaks

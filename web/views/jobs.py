@@ -10,7 +10,7 @@ from sqlalchemy import select
 
 from broker.errors import SandmanError
 from broker.ledger.models import Job
-from broker.pools import PoolConfig, WarmStore, parse_pools
+from broker.pools.store import PoolConfig, WarmStore, parse_pools
 from web import stats
 from web.views import services
 

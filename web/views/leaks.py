@@ -12,7 +12,8 @@ from sqlalchemy import select
 from broker.errors import SandmanError
 from broker.ledger import store
 from broker.ledger.models import Leak
-from web import leakops, params, stats
+from broker.ownership import leaks as leakops
+from web import params, stats
 from web.views import actor, services, wants_fragment
 
 bp = Blueprint("leaks", __name__, url_prefix="/leaks")
@@ -98,7 +99,7 @@ def act(leak_id: int, action: str) -> Any:
 
 def run_gc_pass(who: str, dry_run: bool) -> dict[str, Any]:
     """One GC pass as an operator; its report is kept in Redis for the page and /metrics."""
-    from broker.gc import run_gc, summarize
+    from broker.ownership.gc import run_gc, summarize
 
     svc = services()
     report = run_gc(svc.provider(who), dry_run=dry_run)

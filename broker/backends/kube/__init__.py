@@ -1,0 +1,1 @@
+"""The Kubernetes backend. Only ``broker.backends.kube.api`` imports the kubernetes client."""

@@ -1,0 +1,239 @@
+"""Kubernetes implementation of the Backend seam.
+
+Deletes carry a UID precondition taken from a nonce-checked read, so the broker can only
+ever delete the exact pod object it proved to be its own. Readiness and delete
+confirmation come from one shared watch per process (``broker.backends.kube.watcher``), not
+per-pod polling or per-pod watches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from broker.backends.base import LABEL_INSTALLATION, LABEL_NONCE, PodInfo, PodSpec
+from broker.backends.kube import podspec
+from broker.backends.kube.api import Kube, load_api_client
+from broker.backends.kube.watcher import PodWatch
+from broker.errors import KubeConflict, KubeError, KubeNotFound, OwnershipError
+from broker.settings import Settings
+
+
+def _parse_time(value: str | None) -> dt.datetime | None:
+    if not value:
+        return None
+    return dt.datetime.fromisoformat(value.replace("Z", "+00:00"))
+
+
+def _seconds(a: dt.datetime | None, b: dt.datetime | None) -> float | None:
+    return (b - a).total_seconds() if a and b else None
+
+
+def pod_info(pod: dict[str, Any], port: int) -> PodInfo:
+    """Read a pod dict into the fields the ownership protocol needs."""
+    meta, status = pod.get("metadata") or {}, pod.get("status") or {}
+    conditions = {c.get("type"): c for c in status.get("conditions") or []}
+    ready = (conditions.get("Ready") or {}).get("status") == "True"
+    reason: str | None = status.get("reason")
+    started: dt.datetime | None = None
+    for cs in status.get("containerStatuses") or []:
+        state = cs.get("state") or {}
+        waiting, terminated = state.get("waiting"), state.get("terminated")
+        if waiting and waiting.get("reason") not in (None, "ContainerCreating"):
+            reason = waiting.get("reason")
+        if terminated:
+            reason = terminated.get("reason") or "Terminated"
+        if state.get("running"):
+            started = _parse_time(state["running"].get("startedAt"))
+    sandbox_ready = _parse_time(
+        (conditions.get("PodReadyToStartContainers") or {}).get("lastTransitionTime")
+    )
+    ready_at = _parse_time((conditions.get("Ready") or {}).get("lastTransitionTime"))
+    ip = status.get("podIP")
+    return PodInfo(
+        name=meta.get("name", ""),
+        namespace=meta.get("namespace", ""),
+        labels=dict(meta.get("labels") or {}),
+        phase=status.get("phase") or "Pending",
+        ready=ready,
+        ip=ip,
+        node=(pod.get("spec") or {}).get("nodeName"),
+        deleting=bool(meta.get("deletionTimestamp")),
+        created_at=_parse_time(meta.get("creationTimestamp")),
+        address=f"{ip}:{port}" if ip else None,
+        # 1 s resolution timestamps: pull+create from sandbox-ready to container start.
+        image_pull_s=_seconds(sandbox_ready, started),
+        start_s=_seconds(started, ready_at) if ready else None,
+        reason=reason,
+    )
+
+
+GUARD_TTL_S = 5.0
+
+
+class KubeBackend:
+    """Pods in one namespace of a real cluster."""
+
+    name = "kubernetes"
+
+    def __init__(self, kube: Kube, *, installation: str, execd_port: int = 8080) -> None:
+        self.kube = kube
+        self.installation = installation
+        self.port = execd_port
+        self._owners: dict[tuple[str, str], str] = {}
+        self._execd: dict[str, tuple[str, list[str]]] = {}
+        self._watches: dict[str, PodWatch] = {}
+        self._guards: dict[tuple[str, str], float] = {}  # verified until (monotonic)
+        self._watch_lock = threading.Lock()
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> KubeBackend:
+        kube = Kube(load_api_client(settings.kubeconfig))
+        return cls(kube, installation=settings.installation_id, execd_port=settings.execd_port)
+
+    # -- objects that must exist before pods ------------------------------------------
+
+    def ensure_namespace(self, namespace: str) -> None:
+        self.kube.ensure_namespace(namespace)
+
+    def _ensure_execd(self, namespace: str) -> tuple[str, list[str]]:
+        cached = self._execd.get(namespace)
+        if cached:
+            return cached
+        files = podspec.execd_files()
+        if "__main__.py" not in files:
+            raise KubeError("execd sources not found next to the broker package")
+        name = podspec.execd_configmap_name(files)
+        if self.kube.get_configmap(namespace, name) is None:
+            with contextlib.suppress(KubeConflict):
+                self.kube.create_configmap(
+                    namespace, podspec.execd_configmap(name, files, self.installation)
+                )
+        self._execd[namespace] = (name, sorted(files))
+        return self._execd[namespace]
+
+    def ensure_job_owner(self, namespace: str, job: str) -> None:
+        self._owner_uid(namespace, job)
+
+    def _owner_uid(self, namespace: str, job: str) -> str:
+        key = (namespace, job)
+        if key in self._owners:
+            return self._owners[key]
+        found = self.kube.get_configmap(namespace, podspec.owner_name(job))
+        if found is None:
+            try:
+                found = self.kube.create_configmap(
+                    namespace, podspec.owner_configmap(job, self.installation)
+                )
+            except KubeConflict:
+                found = self.kube.get_configmap(namespace, podspec.owner_name(job))
+        if found is None:
+            raise KubeError(f"owner object for job {job} vanished while creating it")
+        self._owners[key] = str(found["metadata"]["uid"])
+        return self._owners[key]
+
+    def ensure_egress_guard(self, namespace: str, job: str, allow: list[str]) -> None:
+        if self._guard_fresh(namespace, job):
+            return
+        if self.kube.get_network_policy(namespace, podspec.egress_policy_name(job)) is None:
+            with contextlib.suppress(KubeConflict):
+                self.kube.create_network_policy(
+                    namespace, podspec.egress_policy(job, self.installation, allow)
+                )
+
+    def has_egress_guard(self, namespace: str, job: str) -> bool:
+        """Read back from the API server; a positive answer is trusted for GUARD_TTL_S,
+        so a burst of creates costs one read per job, not two per pod."""
+        if self._guard_fresh(namespace, job):
+            return True
+        name = podspec.egress_policy_name(job)
+        present = self.kube.get_network_policy(namespace, name) is not None
+        if present:
+            self._guards[(namespace, job)] = time.monotonic() + GUARD_TTL_S
+        return present
+
+    def _guard_fresh(self, namespace: str, job: str) -> bool:
+        return self._guards.get((namespace, job), 0.0) > time.monotonic()
+
+    # -- pods --------------------------------------------------------------------------
+
+    def create(self, spec: PodSpec) -> PodInfo:
+        execd_name, keys = self._ensure_execd(spec.namespace)
+        owner_uid = self._owner_uid(spec.namespace, spec.job)
+        body = podspec.pod_manifest(
+            spec, execd_configmap=execd_name, execd_keys=keys, port=self.port, owner_uid=owner_uid
+        )
+        self._watch(spec.namespace)  # following before the POST: its events are not missed
+        try:
+            return pod_info(self.kube.create_pod(spec.namespace, body), self.port)
+        except KubeNotFound:
+            # The owner object was deleted under us (cache stale): refresh once.
+            self._owners.pop((spec.namespace, spec.job), None)
+            raise
+
+    def get(self, namespace: str, name: str) -> PodInfo | None:
+        pod = self.kube.get_pod(namespace, name)
+        return pod_info(pod, self.port) if pod else None
+
+    def delete(self, namespace: str, name: str, nonce: str) -> bool:
+        pod = self.kube.get_pod(namespace, name)
+        if pod is None:
+            return True
+        labels = (pod.get("metadata") or {}).get("labels") or {}
+        if labels.get(LABEL_NONCE) != nonce or labels.get(LABEL_INSTALLATION) != self.installation:
+            raise OwnershipError(f"refusing to delete {name}: nonce/installation mismatch")
+        try:
+            self.kube.delete_pod(namespace, name, uid=pod["metadata"].get("uid"))
+        except KubeNotFound:
+            return True
+        except KubeConflict as exc:  # UID precondition failed: a different object now
+            raise OwnershipError(f"{name} was replaced; not deleting it") from exc
+        return True
+
+    def list_installation(self, namespace: str, installation: str) -> list[PodInfo]:
+        pods, _ = self.kube.list_pods(namespace, f"{LABEL_INSTALLATION}={installation}")
+        return [pod_info(p, self.port) for p in pods]
+
+    def list_all_labelled(self, namespace: str) -> list[PodInfo]:
+        pods, _ = self.kube.list_pods(namespace, LABEL_NONCE)
+        return [pod_info(p, self.port) for p in pods]
+
+    def _watch(self, namespace: str) -> PodWatch:
+        with self._watch_lock:
+            watch = self._watches.get(namespace)
+            if watch is None:
+                watch = PodWatch(
+                    self.kube,
+                    namespace,
+                    f"{LABEL_INSTALLATION}={self.installation}",
+                    lambda pod: pod_info(pod, self.port),
+                )
+                self._watches[namespace] = watch
+            return watch
+
+    def watch_ready(self, namespace: str, names: set[str], timeout_s: float) -> Iterator[PodInfo]:
+        """Current state first, then changes, from the process's shared pod watch."""
+        deadline = time.monotonic() + timeout_s
+        watch = self._watch(namespace)
+        for name in sorted(names):
+            for info in watch.follow(name, deadline, lambda n: self.get(namespace, n)):
+                yield info if info is not None else _deleted(namespace, name)
+
+    def wait_gone(self, namespace: str, name: str, timeout_s: float) -> bool:
+        return self._watch(namespace).wait_gone(name, timeout_s, lambda n: self.get(namespace, n))
+
+    def close(self) -> None:
+        with self._watch_lock:
+            for watch in self._watches.values():
+                watch.close()
+            self._watches.clear()
+
+
+def _deleted(namespace: str, name: str) -> PodInfo:
+    return PodInfo(
+        name=name, namespace=namespace, labels={}, phase="Failed", ready=False, reason="Deleted"
+    )

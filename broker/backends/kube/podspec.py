@@ -1,0 +1,195 @@
+"""The sandbox pod manifest, and the objects that must exist before it (execd, owner, guard).
+
+Shape (paper lessons): unmodified task image; execd from an immutable ConfigMap mounted
+read-only and run as the container command; requests == limits; no Service links (with
+thousands of Services every container got ~23k variables); no service-account token; no
+Service per pod (pods are addressed by IP); readiness probe on execd; topology spread over
+hosts and zones so one node or subnet doesn't take a whole burst; restartPolicy Never
+(a restarted container would silently lose the rollout's state).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+from broker.backends.base import (
+    LABEL_EGRESS,
+    LABEL_INSTALLATION,
+    LABEL_JOB,
+    MANAGED_BY,
+    PodSpec,
+)
+
+EXECD_MOUNT = "/opt/sandman"
+EXECD_DIR = Path(__file__).resolve().parents[3] / "execd"
+
+
+def execd_files() -> dict[str, str]:
+    """The daemon's source files, keyed by file name (ConfigMap keys can't contain '/')."""
+    return {p.name: p.read_text() for p in sorted(EXECD_DIR.glob("*.py"))}
+
+
+def execd_configmap_name(files: dict[str, str]) -> str:
+    digest = hashlib.sha256()
+    for name, text in sorted(files.items()):
+        digest.update(name.encode() + b"\0" + text.encode() + b"\0")
+    return f"sandman-execd-{digest.hexdigest()[:12]}"
+
+
+def execd_configmap(name: str, files: dict[str, str], installation: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {
+            "name": name,
+            "labels": {LABEL_INSTALLATION: installation, MANAGED_BY: "sandman-broker"},
+        },
+        "immutable": True,
+        "data": files,
+    }
+
+
+def owner_name(job: str) -> str:
+    return f"sandman-job-{job}"[:253]
+
+
+def owner_configmap(job: str, installation: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {
+            "name": owner_name(job),
+            "labels": {
+                LABEL_INSTALLATION: installation,
+                LABEL_JOB: job,
+                MANAGED_BY: "sandman-broker",
+            },
+        },
+        "data": {"purpose": "owner of this job's sandbox pods; deleting it deletes them"},
+    }
+
+
+def egress_policy_name(job: str) -> str:
+    return f"sandman-egress-{job}"[:253]
+
+
+def egress_policy(job: str, installation: str, allow: list[str]) -> dict[str, Any]:
+    """Deny all egress from the job's denied pods, except the listed CIDRs."""
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": {
+            "name": egress_policy_name(job),
+            "labels": {
+                LABEL_INSTALLATION: installation,
+                LABEL_JOB: job,
+                MANAGED_BY: "sandman-broker",
+            },
+        },
+        "spec": {
+            "podSelector": {
+                "matchLabels": {
+                    LABEL_INSTALLATION: installation,
+                    LABEL_JOB: job,
+                    LABEL_EGRESS: "denied",
+                }
+            },
+            "policyTypes": ["Egress"],
+            "egress": [{"to": [{"ipBlock": {"cidr": cidr}} for cidr in allow]}] if allow else [],
+        },
+    }
+
+
+def pod_manifest(
+    spec: PodSpec, *, execd_configmap: str, execd_keys: list[str], port: int, owner_uid: str
+) -> dict[str, Any]:
+    cpu, memory = f"{spec.cpu_m}m", str(spec.memory_b)
+    env = [{"name": k, "value": v} for k, v in sorted(spec.env.items())]
+    env += [
+        {"name": "PYTHONPATH", "value": EXECD_MOUNT},
+        {"name": "PYTHONDONTWRITEBYTECODE", "value": "1"},
+        {"name": "SANDMAN_EXECD_TOKEN", "value": spec.token},
+    ]
+    spread_selector = {"matchLabels": {LABEL_INSTALLATION: spec.installation, LABEL_JOB: spec.job}}
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": spec.name,
+            "labels": spec.labels(),
+            "ownerReferences": [
+                {
+                    "apiVersion": "v1",
+                    "kind": "ConfigMap",
+                    "name": owner_name(spec.job),
+                    "uid": owner_uid,
+                    "blockOwnerDeletion": False,
+                    "controller": False,
+                }
+            ],
+        },
+        "spec": {
+            "restartPolicy": "Never",
+            "enableServiceLinks": False,
+            "automountServiceAccountToken": False,
+            "terminationGracePeriodSeconds": 1,
+            "nodeSelector": dict(spec.node_selector),
+            "tolerations": list(spec.tolerations),
+            "topologySpreadConstraints": [
+                {
+                    "maxSkew": 1,
+                    "topologyKey": "kubernetes.io/hostname",
+                    "whenUnsatisfiable": "ScheduleAnyway",
+                    "labelSelector": spread_selector,
+                },
+                {
+                    "maxSkew": 1,
+                    "topologyKey": "topology.kubernetes.io/zone",
+                    "whenUnsatisfiable": "ScheduleAnyway",
+                    "labelSelector": spread_selector,
+                },
+            ],
+            "containers": [
+                {
+                    "name": "sandbox",
+                    "image": spec.image,
+                    "imagePullPolicy": "IfNotPresent",
+                    "command": [
+                        "python3",
+                        "-m",
+                        "execd",
+                        "--listen",
+                        f"0.0.0.0:{port}",
+                        "--workdir",
+                        spec.workdir,
+                    ],
+                    "env": env,
+                    "ports": [{"name": "execd", "containerPort": port}],
+                    "resources": {
+                        "requests": {"cpu": cpu, "memory": memory},
+                        "limits": {"cpu": cpu, "memory": memory},
+                    },
+                    "readinessProbe": {
+                        "httpGet": {"path": "/healthz", "port": port},
+                        "periodSeconds": 1,
+                        "failureThreshold": 3,
+                        "timeoutSeconds": 1,
+                    },
+                    "volumeMounts": [
+                        {"name": "execd", "mountPath": f"{EXECD_MOUNT}/execd", "readOnly": True}
+                    ],
+                }
+            ],
+            "volumes": [
+                {
+                    "name": "execd",
+                    "configMap": {
+                        "name": execd_configmap,
+                        "items": [{"key": k, "path": k} for k in execd_keys],
+                    },
+                }
+            ],
+        },
+    }

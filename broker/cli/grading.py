@@ -1,0 +1,151 @@
+"""Grading commands: ``sandman task validate``, ``sandman task schema``, ``sandman grade``
+and ``sandman preflight``. Registered by ``broker.cli.main``."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+
+from broker.settings import Settings
+
+TASK_SUFFIXES = (".json", ".yaml", ".yml")
+
+
+def _task_files(paths: tuple[str, ...]) -> list[Path]:
+    files: list[Path] = []
+    for raw in paths:
+        path = Path(raw)
+        if path.is_dir():
+            files += sorted(p for p in path.rglob("*") if p.suffix in TASK_SUFFIXES)
+        else:
+            files.append(path)
+    return files
+
+
+def _grader(ctx: click.Context, job: str, config: Any) -> Any:
+    from broker.client.sync import SandboxClient
+    from broker.grading.api import broker_acquire
+    from broker.grading.grade import Grader
+
+    settings = ctx.find_root().obj
+    assert isinstance(settings, Settings)
+    client = SandboxClient.from_settings(settings, owner=f"sandman-grading-cli-{job}")
+    return Grader(broker_acquire(client, job), config)
+
+
+def register(group: click.Group) -> None:
+    @group.group("task")
+    def task() -> None:
+        """Grading task specs."""
+
+    @task.command("validate")
+    @click.argument("files", nargs=-1, required=True)
+    def validate(files: tuple[str, ...]) -> None:
+        """Check task files against the schema; print every error with its path."""
+        from broker.grading.spec import check_task_file
+
+        bad = 0
+        for path in _task_files(files):
+            issues = check_task_file(path)
+            if issues:
+                bad += 1
+                click.echo(f"{path}: INVALID ({len(issues)} error(s))")
+                for issue in issues:
+                    click.echo(f"  {issue}")
+            else:
+                click.echo(f"{path}: ok")
+        sys.exit(1 if bad else 0)
+
+    @task.command("schema")
+    def schema() -> None:
+        """Print the published JSON Schema of task files."""
+        from broker.grading.schema import task_schema
+
+        click.echo(json.dumps(task_schema(), indent=2))
+
+    @group.command("grade")
+    @click.argument("task_file")
+    @click.argument("patch_file", required=False)
+    @click.option("--job", required=True, help="Job whose configuration grading runs under.")
+    @click.option("--attempts", default=3, show_default=True)
+    @click.pass_context
+    def grade(
+        ctx: click.Context, task_file: str, patch_file: str | None, job: str, attempts: int
+    ) -> None:
+        """Grade PATCH_FILE (default: the empty patch) for TASK_FILE; print the result."""
+        from broker.grading.grade import GradeConfig
+        from broker.grading.spec import TaskSpecError, load_task
+
+        try:
+            spec = load_task(task_file)
+        except TaskSpecError as exc:
+            raise click.ClickException(str(exc)) from exc
+        patch = Path(patch_file).read_bytes() if patch_file else b""
+        result = _grader(ctx, job, GradeConfig(max_attempts=attempts)).grade(spec, patch)
+        click.echo(json.dumps(result.to_dict(), indent=2, default=str))
+        sys.exit({"resolved": 0, "unresolved": 1}.get(result.verdict.value, 2))
+
+    @group.command("preflight")
+    @click.argument("tasks", nargs=-1, required=True)
+    @click.option("--job", required=True, help="Job whose configuration grading runs under.")
+    @click.option("--parallel", "-j", default=4, show_default=True)
+    @click.option("--out", "out_dir", default="preflight-report", show_default=True)
+    @click.option("--exclude-file", default=None, help="Default: OUT/excluded.txt")
+    @click.option("--attempts", default=3, show_default=True, help="Per grading (infra retries).")
+    @click.option("--egress-host", default="example.com", show_default=True)
+    @click.option("--cpu", default=1.0, show_default=True, help="When a task declares none.")
+    @click.option("--memory", default="2Gi", show_default=True, help="When a task declares none.")
+    @click.pass_context
+    def preflight(  # noqa: PLR0917 (click passes options positionally)
+        ctx: click.Context,
+        tasks: tuple[str, ...],
+        job: str,
+        parallel: int,
+        out_dir: str,
+        exclude_file: str | None,
+        attempts: int,
+        egress_host: str,
+        cpu: float,
+        memory: str,
+    ) -> None:
+        """Reference patch must pass, empty patch must fail, for every task in TASKS."""
+        from broker.grading.grade import GradeConfig
+        from broker.grading.preflight import PreflightEntry, run_preflight, write_reports
+        from broker.grading.spec import TaskSpecError, load_task
+
+        specs, invalid = [], []
+        for path in _task_files(tasks):
+            try:
+                specs.append(load_task(path))
+            except TaskSpecError as exc:
+                errors = [str(i) for i in exc.issues]
+                invalid.append(PreflightEntry(path.stem, "invalid", str(path), errors=errors))
+        config = GradeConfig(max_attempts=attempts, egress_host=egress_host, cpu=cpu, memory=memory)
+        grader = _grader(ctx, job, config)
+        started = time.monotonic()
+        with click.progressbar(length=len(specs), label="preflight", show_pos=True) as bar:
+            entries = run_preflight(
+                grader, specs, parallel=parallel, on_done=lambda _e: bar.update(1)
+            )
+        entries += invalid
+        out = Path(out_dir)
+        paths = write_reports(
+            entries,
+            out,
+            meta={
+                "job": job,
+                "parallel": parallel,
+                "tasks": len(entries),
+                "wall_s": round(time.monotonic() - started, 1),
+            },
+            exclude_file=Path(exclude_file) if exclude_file else out / "excluded.txt",
+        )
+        for e in entries:
+            click.echo(f"{e.status:34} {e.task_id}")
+        click.echo(f"report: {paths['json']} {paths['markdown']}; exclusions: {paths['exclude']}")
+        sys.exit(0 if all(e.status == "ok" for e in entries) else 1)

@@ -1,0 +1,222 @@
+"""``sandman replay TRACE`` (pool sizing from a trace) and ``sandman trace export``.
+
+Registered by ``broker.cli.main``. The simulator needs no services; the export reads the
+ledger (embedded PostgreSQL unless ``SANDMAN_DATABASE_URL`` is set).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from broker.settings import Settings
+
+
+def _warm_map(values: tuple[str, ...]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for value in values:
+        image, sep, size = value.rpartition("=")
+        if not sep or not image:
+            raise click.BadParameter(f"{value!r}: expected IMAGE=SIZE")
+        try:
+            out[image] = int(size)
+        except ValueError as exc:
+            raise click.BadParameter(f"{value!r}: size must be an integer") from exc
+    return out
+
+
+def _floats(text: str | None) -> list[float]:
+    return [float(x) for x in text.split(",") if x.strip()] if text else []
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return "nan" if math.isnan(value) else f"{value:.4g}"
+    return str(value)
+
+
+def _row(label: str, result: dict[str, Any]) -> str:
+    return (
+        f"{label:<22} hit {result['hit_rate'] * 100:6.2f}%  wait p50 {_fmt(result['wait_p50_s'])}s"
+        f" p90 {_fmt(result['wait_p90_s'])}s p99 {_fmt(result['wait_p99_s'])}s"
+        f" mean {_fmt(result['wait_mean_s'])}s  creates {result['creates']}"
+        f" ({_fmt(result['creates_per_request'])}/req)  idle {result['idle_pod_hours']:.3f}"
+        f" pod-h  total {result['total_pod_hours']:.3f} pod-h"
+    )
+
+
+def register(group: click.Group) -> None:
+    @group.command("replay")
+    @click.argument("trace", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+    @click.option("--warm", "warm", multiple=True, metavar="IMAGE=SIZE", help="Pool per image.")
+    @click.option(
+        "--warm-default",
+        type=int,
+        default=0,
+        show_default=True,
+        help="Pool size for every image not named by --warm.",
+    )
+    @click.option("--idle-timeout", type=float, default=300.0, show_default=True)
+    @click.option(
+        "--refill",
+        type=click.Choice(["always", "demand"]),
+        default="always",
+        show_default=True,
+        help="always: upkeep keeps pools full (the broker today); "
+        "demand: refill only after a request for that image.",
+    )
+    @click.option("--reuse/--no-reuse", default=False, show_default=True)
+    @click.option("--max-reuses", type=int, default=8, show_default=True)
+    @click.option("--max-live", type=int, default=None, help="Cap on all live pods.")
+    @click.option("--max-warm", type=int, default=None, help="Global warm-pod budget.")
+    @click.option(
+        "--create-s",
+        type=float,
+        default=5.0,
+        show_default=True,
+        help="Create-to-ready of one pod (measure it: bench/scale.py).",
+    )
+    @click.option("--hit-s", type=float, default=0.05, show_default=True)
+    @click.option("--create-rate", type=float, default=None, help="Pacer rate, creates/s.")
+    @click.option("--create-burst", type=int, default=1, show_default=True)
+    @click.option("--no-prefill", is_flag=True, help="Pools start empty.")
+    @click.option(
+        "--sweep-idle",
+        default=None,
+        metavar="S,S,...",
+        help="Also evaluate these idle timeouts (a table).",
+    )
+    @click.option(
+        "--sweep-size",
+        default=None,
+        metavar="N,N,...",
+        help="Also evaluate these --warm-default sizes (a table).",
+    )
+    @click.option("--json", "as_json", is_flag=True, help="Print JSON only.")
+    def replay(
+        trace: Path,
+        *,
+        warm: tuple[str, ...],
+        warm_default: int,
+        idle_timeout: float,
+        refill: str,
+        reuse: bool,
+        max_reuses: int,
+        max_live: int | None,
+        max_warm: int | None,
+        create_s: float,
+        hit_s: float,
+        create_rate: float | None,
+        create_burst: int,
+        no_prefill: bool,
+        sweep_idle: str | None,
+        sweep_size: str | None,
+        as_json: bool,
+    ) -> None:
+        """Predict warm-hit rate, acquisition wait, creates and idle pod-hours of a pool
+        policy from TRACE (JSONL: time, job, image, role, duration), in virtual time."""
+        from broker.replay import Policy, read_trace, simulate
+
+        events = read_trace(trace)
+        base = Policy(
+            warm=_warm_map(warm),
+            warm_default=warm_default,
+            idle_timeout_s=idle_timeout,
+            refill=refill,  # type: ignore[arg-type]
+            reuse=reuse,
+            max_reuses=max_reuses,
+            max_live=max_live,
+            max_warm=max_warm,
+            create_s=create_s,
+            hit_s=hit_s,
+            create_rate=create_rate,
+            create_burst=create_burst,
+            prefill=not no_prefill,
+        )
+        runs: list[tuple[str, Policy]] = [("policy", base)]
+        runs.append(
+            ("on-demand only", dataclasses.replace(base, warm={}, warm_default=0, reuse=False))
+        )
+        for idle in _floats(sweep_idle):
+            runs.append((f"idle={idle:g}s", dataclasses.replace(base, idle_timeout_s=idle)))
+        for size in _floats(sweep_size):
+            runs.append((f"size={int(size)}", dataclasses.replace(base, warm_default=int(size))))
+        results = {label: simulate(events, policy).to_dict() for label, policy in runs}
+        doc = {
+            "trace": str(trace),
+            "requests": len(events),
+            "span_s": events[-1].time if events else 0.0,
+            "images": len({e.image for e in events}),
+            "policy": dataclasses.asdict(base),
+            "results": results,
+        }
+        if as_json:
+            click.echo(json.dumps(doc, indent=2, default=str))
+            return
+        click.echo(
+            f"{trace}: {doc['requests']} acquires over {doc['span_s']:.0f}s, {doc['images']} images"
+        )
+        for label, result in results.items():
+            click.echo(_row(label, result))
+
+    @group.group("trace")
+    def trace_group() -> None:
+        """Acquire/release traces (the replay format) from the broker's ledger."""
+
+    @trace_group.command("export")
+    @click.option("--job", default=None, help="Only this job.")
+    @click.option("--since", type=click.DateTime(), default=None, help="UTC, acquired at or after.")
+    @click.option("--until", type=click.DateTime(), default=None, help="UTC, acquired before.")
+    @click.option(
+        "-o",
+        "--output",
+        type=click.Path(dir_okay=False, path_type=Path),
+        default=None,
+        help="Write here (default: stdout).",
+    )
+    @click.option("--absolute", is_flag=True, help="Keep epoch times (default: start at 0).")
+    @click.pass_context
+    def trace_export(
+        ctx: click.Context,
+        *,
+        job: str | None,
+        since: dt.datetime | None,
+        until: dt.datetime | None,
+        output: Path | None,
+        absolute: bool,
+    ) -> None:
+        """Build a replay trace from the ledger's rows (request, hand-out and release times)."""
+        from broker.ledger.db import make_engine, make_session_factory
+        from broker.local.services import ensure_services
+        from broker.replay.trace import TraceEvent, export_ledger, write_trace
+
+        settings = ctx.obj
+        assert isinstance(settings, Settings)
+        engine = make_engine(ensure_services(settings).database_url)
+        try:
+            with make_session_factory(engine)() as session:
+                events = export_ledger(
+                    session,
+                    job=job,
+                    since=since.replace(tzinfo=dt.UTC) if since else None,
+                    until=until.replace(tzinfo=dt.UTC) if until else None,
+                )
+        finally:
+            engine.dispose()
+        if events and not absolute:
+            t0 = events[0].time
+            events = [TraceEvent(e.time - t0, e.job, e.image, e.role, e.duration) for e in events]
+        if output is None:
+            count = write_trace(events, sys.stdout)
+        else:
+            output.parent.mkdir(parents=True, exist_ok=True)
+            with output.open("w", encoding="utf-8") as fh:
+                count = write_trace(events, fh)
+        click.echo(f"{count} acquisitions exported", err=True)

@@ -1,0 +1,254 @@
+"""Commands that run the system (up, demo, worker, beat, job, acquire, release).
+
+Registered by ``broker.cli.main``. Celery processes are started as subprocesses
+(``python -m celery -A workers.app``), so ``broker`` never imports ``workers``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import sys
+import threading
+from typing import Any
+
+import click
+
+from broker.names import Task
+from broker.settings import Settings
+
+
+def _settings(ctx: click.Context, **overrides: Any) -> Settings:
+    settings = ctx.obj
+    assert isinstance(settings, Settings)
+    overrides = {k: v for k, v in overrides.items() if v not in (None, "")}
+    return dataclasses.replace(settings, **overrides) if overrides else settings
+
+
+def _exec_celery(settings: Settings, argv: list[str]) -> None:
+    from broker.local.services import ensure_services
+    from broker.local.stack import child_env
+
+    urls = ensure_services(settings)
+    env = child_env(settings, urls.database_url, urls.redis_url)
+    os.execve(sys.executable, argv, env)  # noqa: S606 (fixed argv, no shell)
+
+
+def _sessions(settings: Settings) -> Any:
+    from broker.ledger.db import make_engine, make_session_factory
+    from broker.local.services import ensure_services
+
+    return make_session_factory(make_engine(ensure_services(settings).database_url))
+
+
+def register(group: click.Group) -> None:
+    """Attach this module's commands to the ``sandman`` group."""
+
+    @group.command("worker")
+    @click.option("--queues", "-Q", default="acquire,release,pool", show_default=True)
+    @click.option("--concurrency", "-c", default=32, show_default=True, help="Threads.")
+    @click.pass_context
+    def worker(ctx: click.Context, queues: str, concurrency: int) -> None:
+        """Run a Celery worker (threads pool) on the given queues."""
+        from broker.local.stack import worker_argv
+
+        _exec_celery(_settings(ctx), worker_argv("worker", queues, concurrency))
+
+    @group.command("beat")
+    @click.pass_context
+    def beat(ctx: click.Context) -> None:
+        """Run Celery beat: the GC pass and pool upkeep on their schedule."""
+        from broker.local.stack import beat_argv
+
+        settings = _settings(ctx)
+        schedule = settings.state_dir / "run" / "celerybeat-schedule"
+        schedule.parent.mkdir(parents=True, exist_ok=True)
+        _exec_celery(settings, beat_argv(schedule))
+
+    @group.command("up")
+    @click.option("--kubeconfig", default=None, help="Run sandboxes on this cluster.")
+    @click.option("--no-web", is_flag=True, help="Do not start the admin UI.")
+    @click.pass_context
+    def up(ctx: click.Context, kubeconfig: str | None, no_web: bool) -> None:
+        """Start everything on this machine; Ctrl-C stops it all."""
+        from broker.local.stack import Stack
+
+        settings = _settings(ctx)
+        if kubeconfig:
+            settings = dataclasses.replace(settings, backend="kubernetes", kubeconfig=kubeconfig)
+        stack = Stack(settings)
+        stop = threading.Event()
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        try:
+            stack.start(web=not no_web)
+            click.echo(f"sandman up: backend={settings.backend}, logs in {stack.logs}")
+            for name, proc in stack.procs.items():
+                click.echo(f"  {name}: pid {proc.pid}")
+            click.echo("Ctrl-C to stop.")
+            while not stop.wait(1.0):
+                if not stack.alive():
+                    click.echo("a child process exited; stopping", err=True)
+                    break
+        except KeyboardInterrupt:
+            pass
+        finally:
+            stack.stop()
+            click.echo("stopped")
+
+    @group.command("demo")
+    @click.option("--rollouts", default=48, show_default=True)
+    @click.option("--concurrency", default=8, show_default=True)
+    @click.option("--warm", default=12, show_default=True, help="Warm pool size (0: off).")
+    @click.option("--commands", default=12, show_default=True)
+    @click.pass_context
+    def demo(ctx: click.Context, rollouts: int, concurrency: int, warm: int, commands: int) -> None:
+        """Bring the stack up (or reuse it), run synthetic rollouts, print a summary."""
+        from broker.local.demo import run_demo
+
+        ok = run_demo(
+            _settings(ctx),
+            rollouts=rollouts,
+            concurrency=concurrency,
+            warm=warm,
+            commands=commands,
+            echo=click.echo,
+        )
+        sys.exit(0 if ok else 1)
+
+    @group.group("job")
+    def job() -> None:
+        """Jobs: pacing, caps, budgets, warm pools, reuse. Acquires need an existing job."""
+
+    @job.command("create")
+    @click.argument("name")
+    @click.option("--rate", type=float, default=None, help="Per-job creates per second.")
+    @click.option("--burst", type=int, default=None)
+    @click.option("--max-live", type=int, default=None)
+    @click.option("--max-concurrent", type=int, default=None)
+    @click.option(
+        "--warm",
+        "warm",
+        multiple=True,
+        help="IMAGE[:TAG]=SIZE[,cpu=500m,memory=1Gi,idle=300]; repeatable.",
+    )
+    @click.option("--reuse/--no-reuse", default=False)
+    @click.option("--max-reuses", type=int, default=None)
+    @click.option("--lease-s", type=float, default=None)
+    @click.option("--readiness-budget-s", type=float, default=None)
+    @click.pass_context
+    def job_create(  # noqa: PLR0917 (click passes options positionally)
+        ctx: click.Context,
+        name: str,
+        rate: float | None,
+        burst: int | None,
+        max_live: int | None,
+        max_concurrent: int | None,
+        warm: tuple[str, ...],
+        reuse: bool,
+        max_reuses: int | None,
+        lease_s: float | None,
+        readiness_budget_s: float | None,
+    ) -> None:
+        """Create or update job NAME."""
+        from broker.errors import SandmanError
+        from broker.ledger import store
+
+        settings = _settings(ctx)
+        config: dict[str, Any] = {"reuse": reuse}
+        for key, value in (
+            ("create_rate", rate),
+            ("create_burst", burst),
+            ("max_live", max_live),
+            ("max_concurrent_creates", max_concurrent),
+            ("lease_s", lease_s),
+            ("readiness_budget_s", readiness_budget_s),
+        ):
+            if value is not None:
+                config[key] = value
+        config["max_reuses"] = max_reuses if max_reuses is not None else settings.max_reuses
+        if warm:
+            try:
+                config["warm_pools"] = [parse_warm(w, settings.idle_timeout_s) for w in warm]
+            except (ValueError, SandmanError) as exc:
+                raise click.ClickException(str(exc)) from exc
+        try:
+            with _sessions(settings).begin() as session:
+                store.ensure_job(session, name, **config)
+        except SandmanError as exc:
+            raise click.ClickException(str(exc)) from exc
+        with _sessions(settings)() as session:
+            row = store.get_job(session, name)
+            click.echo(
+                json.dumps(
+                    {
+                        "job": row.name,
+                        "warm_pools": row.warm_pools,
+                        "create_rate": row.create_rate,
+                        "reuse": row.reuse,
+                    }
+                )
+            )
+
+    @group.command("acquire")
+    @click.option("--job", required=True)
+    @click.option("--image", required=True)
+    @click.option("--cpu", default="1")
+    @click.option("--memory", default="1Gi")
+    @click.option("--timeout", type=float, default=120.0)
+    @click.pass_context
+    def acquire(  # noqa: PLR0917
+        ctx: click.Context, job: str, image: str, cpu: str, memory: str, timeout: float
+    ) -> None:
+        """Acquire one sandbox and print its lease (token included); release it yourself."""
+        from broker.client.sync import SandboxClient
+
+        client = SandboxClient.from_settings(_settings(ctx), heartbeat_s=3600)
+        sandbox = client.open(image=image, job=job, cpu=cpu, memory=memory, timeout=timeout)
+        click.echo(json.dumps(sandbox.lease.to_dict(), indent=2))
+
+    @group.command("release")
+    @click.argument("sandbox_id")
+    @click.pass_context
+    def release(ctx: click.Context, sandbox_id: str) -> None:
+        """Queue the release of SANDBOX_ID."""
+        from broker.client.sync import QUEUE_RELEASE, SandboxClient
+
+        client = SandboxClient.from_settings(_settings(ctx))
+        client.send(Task.RELEASE, [sandbox_id, "released"], QUEUE_RELEASE)
+        click.echo(f"release of {sandbox_id} queued")
+
+
+def parse_warm(text: str, default_idle_s: float) -> dict[str, Any]:
+    """``image=SIZE[,cpu=..,memory=..,idle=..,digest=..,commit=..]`` -> a warm_pools entry."""
+    from broker.errors import InvalidRequest
+    from broker.pools.store import PoolConfig
+
+    head, _, rest = text.partition(",")
+    image, sep, size = head.rpartition("=")
+    if not sep:
+        raise InvalidRequest(f"--warm {text!r}: expected IMAGE=SIZE[,key=value...]")
+    raw: dict[str, Any] = {"image": image, "size": int(size)}
+    names = {
+        "cpu": "cpu",
+        "memory": "memory",
+        "idle": "idle_timeout_s",
+        "digest": "image_digest",
+        "commit": "base_commit",
+    }
+    for part in filter(None, rest.split(",")):
+        key, _, value = part.partition("=")
+        if key not in names:
+            raise InvalidRequest(f"--warm: unknown key {key!r}")
+        raw[names[key]] = float(value) if key == "idle" else value
+    cfg = PoolConfig.parse(raw, default_idle_s)
+    return {
+        "image": cfg.image,
+        "image_digest": cfg.image_digest,
+        "base_commit": cfg.base_commit,
+        "cpu_m": cfg.cpu_m,
+        "memory_b": cfg.memory_b,
+        "size": cfg.size,
+        "idle_timeout_s": cfg.idle_timeout_s,
+    }

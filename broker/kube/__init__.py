@@ -1,1 +1,0 @@
-"""The Kubernetes backend. Only ``broker.kube.api`` imports the kubernetes client."""

@@ -1,0 +1,91 @@
+"""Every name two processes must agree on: queues, tasks, pod labels and Redis keys.
+
+A worker, a trainer, the beat and the admin UI run in different processes and often
+different versions during an upgrade; they agree only through these strings. Keeping
+them in one module means a rename is one edit, and a reader can see the whole wire
+vocabulary (and so what an upgrade must keep stable) on one screen.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class Queue(StrEnum):
+    """Celery queues. Acquires get their own workers so a burst never starves releases."""
+
+    ACQUIRE = "acquire"
+    RELEASE = "release"
+    POOL = "pool"
+
+
+class Task(StrEnum):
+    """Celery task names (stable across versions: queued messages outlive deploys)."""
+
+    ACQUIRE = "sandman.acquire"
+    RELEASE = "sandman.release"
+    CLAIMED = "sandman.claimed"
+    HEARTBEAT = "sandman.heartbeat"
+    POOL_REFILL = "sandman.pool_refill"
+    POOL_UPKEEP = "sandman.pool_upkeep"
+    GC = "sandman.gc"
+
+
+# Which queue each task travels on; the Celery route table is built from this.
+TASK_QUEUE: dict[Task, Queue] = {
+    Task.ACQUIRE: Queue.ACQUIRE,
+    Task.RELEASE: Queue.RELEASE,
+    Task.CLAIMED: Queue.RELEASE,
+    Task.HEARTBEAT: Queue.RELEASE,
+    Task.POOL_REFILL: Queue.POOL,
+    Task.POOL_UPKEEP: Queue.POOL,
+    Task.GC: Queue.POOL,
+}
+
+
+def queue_of(task: str) -> Queue:
+    """The queue ``task`` is routed to (a KeyError names a task nobody consumes)."""
+    return TASK_QUEUE[Task(task)]
+
+
+# Pod labels: the GC trusts only pods whose installation label and nonce it wrote.
+LABEL_INSTALLATION = "sandman.io/installation"
+LABEL_JOB = "sandman.io/job"
+LABEL_SANDBOX = "sandman.io/sandbox"
+LABEL_NONCE = "sandman.io/nonce"
+LABEL_ROLE = "sandman.io/role"
+LABEL_EGRESS = "sandman.io/egress"  # "denied" when the job denies egress
+LABEL_NODE_KIND = "sandman.io/node-kind"  # "real" on the local cluster's kubelet node
+MANAGED_BY = "app.kubernetes.io/managed-by"
+
+# Redis keys. Prefixes end without a separator; the helpers below add it.
+PACE_PREFIX = "sandman:pace"  # token buckets and create semaphores, per scope
+PACE_BUCKET_GLOBAL = f"{PACE_PREFIX}:bucket:global"
+PACE_SEM_GLOBAL = f"{PACE_PREFIX}:sem:global"
+WARM_PREFIX = "sandman:warm"  # never-used pods per pool key
+WARM_CLAIMED_PREFIX = "sandman:warm-claimed:"  # claimed warm pods awaiting their hand-out
+GC_LAST_KEY = "sandman:gc:last"  # the latest GC pass summary (UI, /metrics)
+POOL_UPKEEP_LOCK_PREFIX = "sandman:pool-upkeep:"  # one upkeep per job at a time
+RESULT_PREFIX = "sandman:result:"  # an acquire's outcome, popped by the waiting trainer
+CANCEL_PREFIX = "sandman:cancel:"  # set by a trainer that gave up on an acquire
+ACQUIRED_PREFIX = "sandman:acquired:"  # the outcome kept briefly for idempotent retries
+
+
+def result_key(request_id: str) -> str:
+    return RESULT_PREFIX + request_id
+
+
+def cancel_key(request_id: str) -> str:
+    return CANCEL_PREFIX + request_id
+
+
+def acquired_key(request_id: str) -> str:
+    return ACQUIRED_PREFIX + request_id
+
+
+def warm_claimed_key(sandbox_id: str) -> str:
+    return WARM_CLAIMED_PREFIX + sandbox_id
+
+
+def pool_upkeep_lock(job: str) -> str:
+    return POOL_UPKEEP_LOCK_PREFIX + job

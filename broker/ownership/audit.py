@@ -1,0 +1,89 @@
+"""The ownership audit: cluster vs ledger, per job, with leaks found and still open.
+
+``sandman audit`` is a read-only GC pass plus counts; it exits non-zero when a pod of ours
+has no row (unowned) or a live row has no pod (dangling), which is what an operator or a
+CI job gates on.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from sqlalchemy import func, select
+
+from broker import names
+from broker.ledger.models import Leak, Sandbox
+from broker.ledger.states import LIVE_STATES
+from broker.ownership.gc import GcReport, run_gc
+from broker.ownership.provider import Provider
+
+
+@dataclass
+class AuditReport:
+    gc: GcReport
+    pods_by_job: dict[str, int] = field(default_factory=dict)
+    live_rows_by_job: dict[str, dict[str, int]] = field(default_factory=dict)
+    leaks_total: int = 0
+    leaks_open: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return not self.gc.unowned_pods and not self.gc.dangling_rows
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "ok": self.ok,
+            "pods_by_job": self.pods_by_job,
+            "live_rows_by_job": self.live_rows_by_job,
+            "leaks_total": self.leaks_total,
+            "leaks_open": self.leaks_open,
+            "unowned_pods": self.gc.unowned_pods,
+            "foreign_pods": self.gc.foreign_pods,
+            "dangling_rows": self.gc.dangling_rows,
+            "pending_actions": self.gc.actions,
+        }
+
+
+def run_audit(provider: Provider) -> AuditReport:
+    gc = run_gc(provider, dry_run=True)
+    report = AuditReport(gc=gc)
+    pods = provider.backend.list_installation(
+        provider.settings.namespace, provider.settings.installation_id
+    )
+    report.pods_by_job = dict(Counter(p.labels.get(names.LABEL_JOB, "?") for p in pods))
+    with provider.sessions() as session:
+        for job, state, count in session.execute(
+            select(Sandbox.job, Sandbox.state, func.count())
+            .where(Sandbox.state.in_([s.value for s in LIVE_STATES]))
+            .group_by(Sandbox.job, Sandbox.state)
+        ):
+            report.live_rows_by_job.setdefault(job, {})[str(state)] = int(count)
+        report.leaks_total = int(session.scalar(select(func.count()).select_from(Leak)) or 0)
+        for kind, count in session.execute(
+            select(Leak.kind, func.count()).where(Leak.resolved_at.is_(None)).group_by(Leak.kind)
+        ):
+            report.leaks_open[kind] = int(count)
+    return report
+
+
+def format_audit(report: AuditReport) -> str:
+    lines = ["ownership audit", "==============="]
+    jobs = sorted(set(report.pods_by_job) | set(report.live_rows_by_job))
+    lines.append(f"{'job':24} {'pods':>6} {'live rows':>10}  states")
+    for job in jobs:
+        states = report.live_rows_by_job.get(job, {})
+        states_text = ", ".join(f"{k}={v}" for k, v in sorted(states.items()))
+        lines.append(
+            f"{job:24} {report.pods_by_job.get(job, 0):>6} "
+            f"{sum(states.values()):>10}  {states_text}"
+        )
+    lines.append(f"unowned pods (ours by label, no ledger row): {len(report.gc.unowned_pods)}")
+    lines.extend(f"  - {name}" for name in report.gc.unowned_pods)
+    lines.append(f"dangling rows (live row, no pod):            {len(report.gc.dangling_rows)}")
+    lines.extend(f"  - {sid}" for sid in report.gc.dangling_rows)
+    lines.append(f"foreign pods (other installations, untouched): {len(report.gc.foreign_pods)}")
+    lines.append(f"GC actions pending: {len(report.gc.actions)}")
+    lines.append(f"leaks recorded: {report.leaks_total}; open: {report.leaks_open or 0}")
+    lines.append("OK" if report.ok else "NOT OK: unowned pods or dangling rows")
+    return "\n".join(lines)

@@ -1,0 +1,537 @@
+"""The ownership protocol: one request in, one ready sandbox out, and never a leaked pod.
+
+Order of operations (see ARCHITECTURE.md, "Ownership"):
+1. ``intent``: write and COMMIT the row (nonce, deterministic pod name) before any create.
+2. ``create``: requested -> creating (committed), then submit. A 409 or an unknown
+   outcome (5xx, 429, timeout, transport) is settled by reading back and comparing the
+   nonce: ours -> adopt; absent -> retry with backoff; anyone else's -> never touched.
+3. Wait for Ready plus an authenticated execd answer within the job's readiness budget.
+4. The provider owns the create until it settles: a caller that gives up (``give_up``
+   event, or a release that flips the row to ``releasing``) still gets the pod deleted.
+5. ``release``: confirmed delete (nonce-checked); a failed delete stays ``releasing``
+   and the GC retries it.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from sqlalchemy.orm import Session, sessionmaker
+
+from broker.backends.base import Backend, PodInfo, PodSpec
+from broker.errors import (
+    AcquireTimeout,
+    CreateFailed,
+    GuardMissing,
+    InvalidRequest,
+    KubeConflict,
+    KubeError,
+    KubeInvalid,
+    KubeThrottled,
+    KubeUnavailable,
+)
+from broker.ledger import store
+from broker.ledger.models import Job, Sandbox, new_id, utcnow
+from broker.ledger.states import State
+from broker.ownership.tokens import broker_key, derive_token
+from broker.settings import Settings
+from broker.wire.execd import execd_answers
+from broker.wire.types import AcquireSpec, Lease
+from broker.wire.validation import validate_spec
+
+log = logging.getLogger(__name__)
+
+MAX_CREATE_ATTEMPTS = 6
+
+
+class AtCapacity(Exception):
+    """The job holds ``max_live`` live sandboxes; nothing was written."""
+
+
+DELETE_CONFIRM_S = 60.0
+JOB_TTL_S = 2.0
+
+
+class Provider:
+    """Creates, hands out and releases sandboxes; the only writer of pod lifecycles."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        sessions: sessionmaker[Session],
+        backend: Backend,
+        *,
+        actor: str = "broker",
+        sleep: Callable[[float], None] = time.sleep,
+        probe: Callable[[str, str], bool] | None = None,
+        failpoint: Callable[[str], None] | None = None,
+    ) -> None:
+        self.settings = settings
+        self.sessions = sessions
+        self.backend = backend
+        self.actor = actor
+        self._sleep = sleep
+        self._probe = probe or (execd_answers)
+        self._key = broker_key(settings)
+        # Named points where a test can kill the process (SIGKILL) to open a crash window.
+        self._failpoint = failpoint or (lambda name: None)
+        self._jobs: dict[str, tuple[float, Job]] = {}
+
+    # -- 1. intent --------------------------------------------------------------------
+
+    def token_for(self, row: Sandbox) -> str:
+        return derive_token(self._key, row.id, row.nonce)
+
+    def intent(self, spec: AcquireSpec, *, enforce_cap: bool = True) -> tuple[str, str]:
+        """Commit the intent row (idempotent by request id); return (sandbox id, token).
+
+        The job's live-pod cap is hard: the count and the insert happen under a per-job
+        transaction lock, so concurrent workers can never overshoot it. Raises
+        ``AtCapacity`` when the job is at its cap (the caller waits and retries).
+        """
+        validate_spec(spec)
+        with self.sessions.begin() as session:
+            if spec.request_id:
+                existing = store.by_request(session, spec.request_id)
+                if existing is not None:
+                    return existing.id, self.token_for(existing)
+            job = self.job(session, spec.job)
+            if enforce_cap and job.max_live:
+                live = store.count_live_locked(session, job.name)
+                if live >= job.max_live:
+                    raise AtCapacity(f"job {job.name} is at its cap of {job.max_live} live pods")
+            sandbox_id, nonce = new_id(), store.new_nonce()
+            token = derive_token(self._key, sandbox_id, nonce)
+            margin = self.settings.create_lease_margin_s
+            row = store.new_intent(
+                session,
+                sandbox_id=sandbox_id,
+                nonce=nonce,
+                owner=spec.owner,
+                token_hash=store.hash_token(token),
+                # The creating lease bounds how long a dead worker can hold the row.
+                lease_expires_at=utcnow() + dt.timedelta(seconds=job.readiness_budget_s + margin),
+                job=job.name,
+                installation=self.settings.installation_id,
+                namespace=self.settings.namespace,
+                image=spec.image,
+                cpu_m=spec.cpu_m,
+                memory_b=spec.memory_b,
+                role=spec.role,
+                request_id=spec.request_id,
+                backend=self.backend.name,
+                image_digest=spec.image_digest,
+                base_commit=spec.base_commit,
+                pool_key=spec.pool_key,
+                egress_denied=job.egress != "allow",
+                enqueued_at=spec.enqueued_at,
+                actor=self.actor,
+            )
+            result = row.id, token
+        self._failpoint("after-intent")
+        return result
+
+    # -- 2/3/4. create ----------------------------------------------------------------
+
+    def create(
+        self,
+        sandbox_id: str,
+        token: str,
+        *,
+        give_up: threading.Event | None = None,
+        workdir: str = "/",
+        env: dict[str, str] | None = None,
+    ) -> Lease:
+        """Run the create protocol for a committed intent row and return its lease."""
+        started = time.monotonic()
+        with self.sessions.begin() as session:
+            row = self._locked(session, sandbox_id)
+            job = self.job(session, row.job)
+            if row.state == State.READY:
+                return self._lease(row, token)
+            if row.state not in (State.REQUESTED, State.CREATING):
+                raise CreateFailed(f"sandbox {sandbox_id} is {row.state}: {row.last_error}")
+            if row.state == State.REQUESTED:
+                store.transition(session, row, State.CREATING, actor=self.actor)
+            row.create_attempts += 1
+            spec = self._pod_spec(row, job, token, workdir, env or {})
+            budget = job.readiness_budget_s
+            allow = list(job.egress_allow or [])
+        self._failpoint("after-creating-commit")
+        # The readiness audit row (API server + node time) rides on the ready or failure
+        # commit instead of a transaction of its own.
+        audit: list[dict[str, object]] = []
+        try:
+            self._ensure_guards(spec, allow)
+            sent = time.monotonic()
+            info = self._submit(spec)
+            self._failpoint("after-create-sent")
+            info = self._await_ready(spec, token, budget, started, give_up)
+            audit.append(
+                {"action": "ready", "outcome": "observed", "api_s": time.monotonic() - sent}
+            )
+            self._failpoint("before-ready-commit")
+        except BaseException as exc:
+            self._settle_failure(sandbox_id, spec, exc, audit)
+            raise
+        return self._mark_ready(sandbox_id, token, info, started, give_up, audit=audit)
+
+    def _pod_spec(
+        self, row: Sandbox, job: Job, token: str, workdir: str, env: dict[str, str]
+    ) -> PodSpec:
+        return PodSpec(
+            name=row.pod_name,
+            namespace=row.namespace,
+            installation=row.installation,
+            job=row.job,
+            sandbox_id=row.id,
+            nonce=row.nonce,
+            role=str(row.role),
+            image=row.image_digest or row.image,
+            cpu_m=row.cpu_m,
+            memory_b=row.memory_b,
+            token=token,
+            workdir=workdir,
+            env=env,
+            node_selector=dict(job.node_selector or {}),
+            tolerations=list(job.tolerations or []),
+            egress_denied=row.egress_denied,
+            simulated_readiness=bool((job.node_selector or {}).get("type") == "kwok"),
+        )
+
+    def _ensure_guards(self, spec: PodSpec, allow: list[str]) -> None:
+        self.backend.ensure_job_owner(spec.namespace, spec.job)
+        if spec.egress_denied:
+            self.backend.ensure_egress_guard(spec.namespace, spec.job, allow)
+            if not self.backend.has_egress_guard(spec.namespace, spec.job):
+                raise GuardMissing(f"job {spec.job} denies egress but its policy is missing")
+
+    def _submit(self, spec: PodSpec) -> PodInfo:
+        """Create the pod; settle conflicts and unknown outcomes by nonce read-back."""
+        delay = 0.2
+        for attempt in range(1, MAX_CREATE_ATTEMPTS + 1):
+            try:
+                sent = time.monotonic()
+                info = self.backend.create(spec)
+                # Written at once, not batched: after a crash this row is what tells a
+                # campaign (and an operator) that the pod was really created.
+                self._api_event(
+                    spec, "create", "created", attempt=attempt, api_s=time.monotonic() - sent
+                )
+                return info
+            except KubeConflict:
+                outcome = "conflict"
+            except KubeThrottled as exc:
+                outcome = "throttled"
+                delay = max(delay, exc.retry_after or delay)
+            except KubeUnavailable as exc:
+                outcome = f"unknown:{exc.status or 'transport'}"
+            except KubeInvalid as exc:
+                self._api_event(spec, "create", "invalid", error=str(exc))
+                raise CreateFailed(f"pod spec refused by the API server: {exc}") from exc
+            self._api_event(spec, "create", outcome, attempt=attempt)
+            found = self._read_back(spec)
+            if found is not None:
+                if found.nonce == spec.nonce and found.installation == spec.installation:
+                    self._api_event(spec, "adopt", "nonce-match", attempt=attempt)
+                    return found
+                self._api_event(spec, "adopt", "foreign", foreign_nonce=found.nonce)
+                raise CreateFailed(f"pod {spec.name} exists but is not ours; left untouched")
+            self._sleep(min(delay, 10.0))
+            delay *= 2
+        raise CreateFailed(
+            f"create of {spec.name} did not settle after {MAX_CREATE_ATTEMPTS} tries"
+        )
+
+    def _read_back(self, spec: PodSpec) -> PodInfo | None:
+        delay = 0.2
+        for _ in range(MAX_CREATE_ATTEMPTS):
+            try:
+                return self.backend.get(spec.namespace, spec.name)
+            except (KubeUnavailable, KubeThrottled) as exc:
+                self._api_event(spec, "read-back", "unavailable", error=str(exc))
+                self._sleep(delay)
+                delay = min(delay * 2, 5.0)
+        raise KubeUnavailable(f"cannot read back {spec.name}; the GC will settle it")
+
+    def _await_ready(
+        self,
+        spec: PodSpec,
+        token: str,
+        budget: float,
+        started: float,
+        give_up: threading.Event | None,
+    ) -> PodInfo:
+        deadline = started + budget
+        first = True
+        while True:
+            # The ledger is re-read from the second round on: the row was committed
+            # `creating` moments ago, and the ready commit re-checks it under its lock.
+            if (give_up is not None and give_up.is_set()) or (
+                not first and self._cancelled(spec.sandbox_id, give_up)
+            ):
+                raise AcquireTimeout(f"caller gave up on {spec.sandbox_id} during create")
+            first = False
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise CreateFailed(f"{spec.name} not ready within the {budget:.0f}s budget")
+            latest: PodInfo | None = None
+            try:
+                for info in self.backend.watch_ready(
+                    spec.namespace, {spec.name}, min(remaining, 2.0)
+                ):
+                    latest = info
+                    if info.terminal_failure:
+                        raise CreateFailed(
+                            f"{spec.name} failed to start: {info.reason or info.phase}"
+                        )
+                    if info.ready:
+                        break
+            except (KubeUnavailable, KubeThrottled) as exc:
+                # The pod exists; an API server that is briefly away does not make it
+                # fail. Keep waiting within the readiness budget.
+                log.info("readiness of %s: API unavailable (%s); waiting on", spec.name, exc)
+                self._sleep(0.5)
+                continue
+            if latest is None or not latest.ready or not latest.address:
+                continue
+            if spec.simulated_readiness or self._probe(latest.address, token):
+                return latest
+            else:
+                self._sleep(0.1)  # Ready but execd does not answer us yet: poll gently
+
+    def _cancelled(self, sandbox_id: str, give_up: threading.Event | None) -> bool:
+        if give_up is not None and give_up.is_set():
+            return True
+        with self.sessions() as session:
+            row = session.get(Sandbox, sandbox_id)
+            return row is None or row.state == State.RELEASING
+
+    def _mark_ready(
+        self,
+        sandbox_id: str,
+        token: str,
+        info: PodInfo,
+        started: float,
+        give_up: threading.Event | None,
+        *,
+        audit: list[dict[str, object]],
+    ) -> Lease:
+        with self.sessions.begin() as session:
+            row = self._locked(session, sandbox_id)
+            self._write_audit(session, row, audit)
+            job = self.job(session, row.job)
+            cancelled = row.state == State.RELEASING or (give_up is not None and give_up.is_set())
+            if not cancelled:
+                now = utcnow()
+                store.transition(session, row, State.READY, actor=self.actor)
+                row.pod_ip, row.node_name, row.address = info.ip, info.node, info.address
+                row.create_to_ready_s = time.monotonic() - started
+                row.image_pull_s, row.start_s = info.image_pull_s, info.start_s
+                row.readiness_simulated = self._simulated(job)
+                if row.pool_key is None:
+                    row.acquired_at = now
+                    row.lease_expires_at = now + dt.timedelta(seconds=job.lease_s)
+                    if row.enqueued_at is not None:
+                        row.acquire_latency_s = (now - row.enqueued_at).total_seconds()
+                else:
+                    row.lease_expires_at = None
+                return self._lease(row, token)
+        # The caller gave up: the pod is ours to remove (provider-owned cleanup). We are
+        # the creator, so the row's `creating` state must not defer the delete to us.
+        self.release(sandbox_id, actor=self.actor, reason="caller-gave-up", creator_gone=True)
+        raise AcquireTimeout(f"caller gave up on {sandbox_id}; its pod was released")
+
+    @staticmethod
+    def _simulated(job: Job) -> bool:
+        return bool((job.node_selector or {}).get("type") == "kwok")
+
+    def _settle_failure(
+        self, sandbox_id: str, spec: PodSpec, exc: BaseException, audit: list[dict[str, object]]
+    ) -> None:
+        """After any failure in create, the pod (if any) is deleted: no window leaks one."""
+        foreign = isinstance(exc, CreateFailed) and "not ours" in str(exc)
+        with self.sessions.begin() as session:
+            row = self._locked(session, sandbox_id)
+            self._write_audit(session, row, audit)
+            if row.state in (State.CREATING, State.REQUESTED):
+                target = State.FAILED if foreign else State.RELEASING
+                store.transition(
+                    session, row, target, actor=self.actor, error=f"{type(exc).__name__}: {exc}"
+                )
+        if not foreign:
+            self.release(sandbox_id, actor=self.actor, reason="create-failed")
+
+    # -- hand-out, heartbeat ----------------------------------------------------------
+
+    def hand_out(self, sandbox_id: str, *, request_id: str | None, owner: str | None) -> None:
+        """Give a warm (ready, unclaimed) sandbox to a trainer: ledger only, no API call."""
+        with self.sessions.begin() as session:
+            row = self._locked(session, sandbox_id)
+            job = store.get_job(session, row.job)
+            if row.state != State.READY or row.acquired_at is not None:
+                raise CreateFailed(f"sandbox {sandbox_id} is not an unclaimed ready sandbox")
+            now = utcnow()
+            row.request_id, row.owner, row.pool_key = request_id, owner, None
+            row.acquired_at, row.lease_expires_at = now, now + dt.timedelta(seconds=job.lease_s)
+            store.append_event(
+                session,
+                row,
+                kind="pool",
+                action="hand-out",
+                actor=self.actor,
+                detail={"request_id": request_id},
+            )
+
+    def heartbeat(self, sandbox_id: str, owner: str | None = None) -> dt.datetime:
+        with self.sessions.begin() as session:
+            row = self._locked(session, sandbox_id)
+            if row.state != State.READY:
+                from broker.errors import SandboxLost
+
+                raise SandboxLost(f"sandbox {sandbox_id} is {row.state}")
+            job = store.get_job(session, row.job)
+            row.lease_expires_at = utcnow() + dt.timedelta(seconds=job.lease_s)
+            row.last_used_at = utcnow()
+            return row.lease_expires_at
+
+    # -- 5. release -------------------------------------------------------------------
+
+    def release(
+        self,
+        sandbox_id: str,
+        *,
+        actor: str = "broker",
+        reason: str = "released",
+        creator_gone: bool = False,
+    ) -> None:
+        """Idempotent, confirmed release. A create in flight is left to its owner to delete,
+        unless ``creator_gone`` (the GC saw its lease expire): then we delete it here."""
+        with self.sessions.begin() as session:
+            row = self._locked(session, sandbox_id)
+            state = State(row.state)
+            if state == State.DELETED:
+                return
+            if state in (
+                State.REQUESTED,
+                State.CREATING,
+                State.READY,
+                State.ABANDONED,
+                State.FAILED,
+            ):
+                store.transition(
+                    session, row, State.RELEASING, actor=actor, detail={"reason": reason}
+                )
+            if state == State.CREATING and not creator_gone:
+                return  # the creating worker sees `releasing` and deletes (or the GC does)
+            if state == State.REQUESTED and not creator_gone:
+                store.transition(
+                    session, row, State.DELETED, actor=actor, detail={"reason": "never-created"}
+                )
+                return
+            namespace, name, nonce = row.namespace, row.pod_name, row.nonce
+        self._failpoint("after-releasing-commit")
+        self.delete_confirmed(sandbox_id, namespace, name, nonce, actor=actor)
+
+    def delete_confirmed(
+        self, sandbox_id: str, namespace: str, name: str, nonce: str, *, actor: str = "broker"
+    ) -> bool:
+        """Delete by nonce and wait until the pod is gone; True when deletion is confirmed."""
+        error: str | None = None
+        try:
+            self.backend.delete(namespace, name, nonce)
+            self._failpoint("after-delete-sent")
+            if not self.backend.wait_gone(namespace, name, DELETE_CONFIRM_S):
+                raise KubeUnavailable(f"{name} still present after {DELETE_CONFIRM_S}s")
+        except KubeError as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        with self.sessions.begin() as session:
+            row = self._locked(session, sandbox_id)
+            if error is None:
+                if row.state == State.RELEASING:
+                    store.transition(session, row, State.DELETED, actor=actor)
+                return True
+            row.delete_attempts += 1
+            row.last_error = error
+            store.append_event(
+                session,
+                row,
+                kind="api",
+                action="delete",
+                outcome="pending",
+                actor=actor,
+                detail={"error": error},
+            )
+            return False
+
+    # -- helpers ----------------------------------------------------------------------
+
+    def job(self, session: Session, name: str) -> Job:
+        """The job's settings, read at most every JOB_TTL_S per process.
+
+        A detached copy: the acquire path reads a job three or four times per create,
+        and job settings change rarely; a change is seen within JOB_TTL_S. Unknown jobs
+        are never cached (UnknownJob is raised from the database each time).
+        """
+        now = time.monotonic()
+        hit = self._jobs.get(name)
+        if hit is not None and hit[0] > now:
+            return hit[1]
+        job = store.get_job(session, name)
+        session.expunge(job)
+        self._jobs[name] = (now + JOB_TTL_S, job)
+        return job
+
+    def _locked(self, session: Session, sandbox_id: str) -> Sandbox:
+        row = store.lock_row(session, sandbox_id)
+        if row is None:
+            raise InvalidRequest(f"no sandbox {sandbox_id!r}")
+        return row
+
+    def _lease(self, row: Sandbox, token: str) -> Lease:
+        return Lease(
+            sandbox_id=row.id,
+            pod_name=row.pod_name,
+            address=row.address or "",
+            token=token,
+            job=row.job,
+            role=str(row.role),
+            warm=row.pool_key is not None,
+            lease_expires_at=row.lease_expires_at.isoformat() if row.lease_expires_at else None,
+            acquire_latency_s=row.acquire_latency_s,
+            create_to_ready_s=row.create_to_ready_s,
+        )
+
+    def _write_audit(self, session: Session, row: Sandbox, audit: list[dict[str, object]]) -> None:
+        for item in audit:
+            detail = {k: v for k, v in item.items() if k not in ("action", "outcome")}
+            store.append_event(
+                session,
+                row,
+                kind="api",
+                action=str(item["action"]),
+                outcome=str(item["outcome"]),
+                actor=self.actor,
+                detail=detail,
+            )
+
+    def _api_event(self, spec: PodSpec, action: str, outcome: str, **detail: object) -> None:
+        with self.sessions.begin() as session:
+            store.audit_only(session)
+            store.append_event(
+                session,
+                None,
+                kind="api",
+                action=action,
+                outcome=outcome,
+                actor=self.actor,
+                job=spec.job,
+                pod_name=spec.name,
+                nonce=spec.nonce,
+                sandbox_id=spec.sandbox_id,
+                detail=dict(detail),
+            )

@@ -1,0 +1,138 @@
+"""Warm pools: never-used sandboxes per (image digest, base commit, resources), per job.
+
+Why the lease lives in Redis: a warm hit must not wait on Kubernetes or even on the
+ledger. Each warm sandbox is published as its full lease (address and token included)
+in a Redis hash, with its id queued in a list; a claim is one atomic Lua call (pop an
+id, take its lease, mark it claimed), so one warm sandbox never goes to two trainers.
+The ledger catches up right after (``Provider.hand_out`` in a worker), and that hand-out
+enqueues a paced replacement. Upkeep (beat) refills to size, trims, and deletes warm
+sandboxes idle past the pool's ``idle_timeout_s`` (default 300 s, the paper's setting).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from broker import names
+from broker.errors import InvalidRequest
+from broker.wire.types import Lease
+from broker.wire.validation import parse_cpu, parse_memory, validate_image
+
+PREFIX = names.WARM_PREFIX
+CLAIM_TTL_S = 3600
+
+# KEYS: id list, lease hash. ARGV: claimer. Pops ids until one still has a lease.
+_CLAIM_LUA = """
+while true do
+  local id = redis.call('RPOP', KEYS[1])
+  if not id then return false end
+  local lease = redis.call('HGET', KEYS[2], id)
+  if lease then
+    redis.call('HDEL', KEYS[2], id)
+    redis.call('SET', ARGV[3] .. id, ARGV[1], 'EX', tonumber(ARGV[2]))
+    return lease
+  end
+end
+"""
+
+
+def pool_key(
+    image: str, image_digest: str | None, base_commit: str | None, cpu_m: int, memory_b: int
+) -> str:
+    """Stable key of compatible sandboxes: same bytes, same commit, same resources."""
+    raw = "|".join([image_digest or image, base_commit or "", str(cpu_m), str(memory_b)])
+    return "p" + hashlib.sha256(raw.encode()).hexdigest()[:24]
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    """One entry of ``Job.warm_pools``."""
+
+    image: str
+    image_digest: str | None
+    base_commit: str | None
+    cpu_m: int
+    memory_b: int
+    size: int
+    idle_timeout_s: float
+
+    @property
+    def key(self) -> str:
+        return pool_key(self.image, self.image_digest, self.base_commit, self.cpu_m, self.memory_b)
+
+    @classmethod
+    def parse(cls, raw: dict[str, Any], default_idle_s: float = 300.0) -> PoolConfig:
+        if not isinstance(raw, dict) or "image" not in raw:
+            raise InvalidRequest(f"warm pool entry needs at least an image: {raw!r}")
+        validate_image(raw["image"])
+        size = int(raw.get("size", 1))
+        if not 0 <= size <= 10_000:
+            raise InvalidRequest(f"warm pool size {size} outside 0..10000")
+        idle = float(raw.get("idle_timeout_s", default_idle_s))
+        if idle <= 0:
+            raise InvalidRequest("warm pool idle_timeout_s must be > 0")
+        cpu = raw.get("cpu_m")
+        mem = raw.get("memory_b")
+        return cls(
+            image=raw["image"],
+            image_digest=raw.get("image_digest"),
+            base_commit=raw.get("base_commit"),
+            cpu_m=int(cpu) if cpu is not None else parse_cpu(raw.get("cpu", 1)),
+            memory_b=int(mem) if mem is not None else parse_memory(raw.get("memory", "1Gi")),
+            size=size,
+            idle_timeout_s=idle,
+        )
+
+
+def parse_pools(
+    raw: list[dict[str, Any]] | None, default_idle_s: float = 300.0
+) -> list[PoolConfig]:
+    return [PoolConfig.parse(entry, default_idle_s) for entry in raw or []]
+
+
+class WarmStore:
+    """The Redis side of the pools: published warm leases and the atomic claim."""
+
+    def __init__(self, redis: Any) -> None:
+        self.redis = redis
+        self._claim = redis.register_script(_CLAIM_LUA)
+
+    @staticmethod
+    def _keys(job: str, key: str) -> tuple[str, str]:
+        return f"{PREFIX}:ids:{job}:{key}", f"{PREFIX}:leases:{job}:{key}"
+
+    def publish(self, job: str, key: str, lease: Lease) -> None:
+        ids, leases = self._keys(job, key)
+        pipe = self.redis.pipeline()
+        pipe.hset(leases, lease.sandbox_id, json.dumps(lease.to_dict()))
+        pipe.lrem(ids, 0, lease.sandbox_id)
+        pipe.lpush(ids, lease.sandbox_id)
+        pipe.delete(names.warm_claimed_key(lease.sandbox_id))
+        pipe.execute()
+
+    def claim(self, job: str, key: str, claimer: str) -> Lease | None:
+        """Atomically take one warm lease (oldest first), or None on a miss."""
+        ids, leases = self._keys(job, key)
+        raw = self._claim(
+            keys=[ids, leases], args=[claimer, CLAIM_TTL_S, names.WARM_CLAIMED_PREFIX]
+        )
+        return Lease.from_dict(json.loads(raw)) if raw else None
+
+    def withdraw(self, job: str, key: str, sandbox_id: str) -> bool:
+        """Take a warm lease out of circulation; True only for the one caller that did."""
+        ids, leases = self._keys(job, key)
+        taken = bool(self.redis.hdel(leases, sandbox_id))
+        self.redis.lrem(ids, 0, sandbox_id)
+        return taken
+
+    def is_published(self, job: str, key: str, sandbox_id: str) -> bool:
+        return bool(self.redis.hexists(self._keys(job, key)[1], sandbox_id))
+
+    def is_claimed(self, sandbox_id: str) -> bool:
+        return bool(self.redis.exists(f"sandman:warm-claimed:{sandbox_id}"))
+
+    def size(self, job: str, key: str) -> int:
+        return int(self.redis.hlen(self._keys(job, key)[1]))

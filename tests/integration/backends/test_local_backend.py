@@ -1,0 +1,166 @@
+"""The local backend end to end: bubblewrap + the real execd, no broker around it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from broker.backends.base import PodSpec
+from broker.backends.local import LocalBackend, _children, _proc_start
+from broker.errors import GuardMissing, KubeConflict
+from broker.settings import Settings
+from broker.wire.execd import execd_answers
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def backend(tmp_path: Path) -> LocalBackend:
+    if shutil.which("bwrap") is None:
+        pytest.fail("bubblewrap is required: apt-get install -y bubblewrap")
+    return LocalBackend(Settings(state_dir=tmp_path / "state"))
+
+
+def _spec(name: str, nonce: str = "n-1", token: str = "t" * 32) -> PodSpec:
+    return PodSpec(
+        name=name,
+        namespace="ns",
+        installation="inst-test",
+        job="j",
+        sandbox_id=name,
+        nonce=nonce,
+        role="rollout",
+        image="python:3.12",
+        cpu_m=500,
+        memory_b=256 << 20,
+        token=token,
+    )
+
+
+def _ready(backend: LocalBackend, name: str) -> str:
+    for info in backend.watch_ready("ns", {name}, 20):
+        assert info.ready, info
+        assert info.address
+        return info.address
+    raise AssertionError("never ready")
+
+
+def test_create_exec_files_delete(backend: LocalBackend) -> None:
+    spec = _spec("sm-life")
+    backend.create(spec)
+    address = _ready(backend, "sm-life")
+    assert execd_answers(address, spec.token)
+    assert not execd_answers(address, "wrong-token")
+    headers = {"Authorization": f"Bearer {spec.token}"}
+    with httpx.Client(base_url=f"http://{address}", headers=headers) as http:
+        out = http.post(
+            "/v1/exec", json={"command": "echo $$; id -u; ls /root | wc -l; pwd", "timeout": 10}
+        ).json()
+        lines = out["stdout"].split()
+        assert out["exit_code"] == 0
+        assert lines[2] == "0", "the host's home (and its secrets) must be hidden"
+        assert lines[3] == "/workspace"
+        write = http.post(
+            "/v1/files/write", json={"path": "/workspace/a.txt", "content_b64": "aGVsbG8="}
+        )
+        assert write.status_code == 200
+        denied = http.post("/v1/exec", json={"command": "touch /usr/x", "timeout": 10}).json()
+        assert denied["exit_code"] != 0, "the host root is read-only"
+    meta = backend._load("sm-life")
+    assert meta is not None
+    pids = [int(meta["pid"]), int(meta["child_pid"])]
+    assert backend.delete("ns", "sm-life", "someone-else") is False
+    assert backend.get("ns", "sm-life") is not None
+    assert backend.delete("ns", "sm-life", spec.nonce) is True
+    assert backend.get("ns", "sm-life") is None
+    time.sleep(0.2)
+    assert all(_proc_start(p) is None for p in pids), "every sandbox process is gone"
+
+
+def test_pods_are_found_again_after_a_restart(backend: LocalBackend, tmp_path: Path) -> None:
+    spec = _spec("sm-restart", nonce="n-2")
+    backend.create(spec)
+    _ready(backend, "sm-restart")
+    with pytest.raises(KubeConflict):
+        backend.create(spec)
+    again = LocalBackend(Settings(state_dir=tmp_path / "state"))  # a new broker process
+    listed = again.list_installation("ns", "inst-test")
+    assert [p.name for p in listed] == ["sm-restart"]
+    assert listed[0].nonce == "n-2"
+    info = again.get("ns", "sm-restart")
+    assert info is not None and info.ready
+    # The sandbox runs in its own session, so it does not die with its creator.
+    meta = again._load("sm-restart")
+    assert meta is not None and os.getsid(int(meta["pid"])) != os.getsid(0)
+    assert again.delete("ns", "sm-restart", "n-2")
+    assert again.list_all_labelled("ns") == []
+
+
+def test_egress_denial_is_refused_not_faked(backend: LocalBackend) -> None:
+    assert backend.has_egress_guard("ns", "j") is False
+    with pytest.raises(GuardMissing):
+        backend.ensure_egress_guard("ns", "j", [])
+
+
+def _zombies_of(pid: int) -> list[int]:
+    out = []
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            fields = dict(
+                line.split(":\t", 1) for line in status.read_text().splitlines() if ":\t" in line
+            )
+        except OSError:
+            continue
+        if fields.get("PPid", "").strip() == str(pid) and fields.get("State", "").startswith("Z"):
+            out.append(int(status.parent.name))
+    return out
+
+
+def test_creator_reaps_sandboxes_deleted_by_another_process(backend: LocalBackend) -> None:
+    """The acquire worker creates, the control worker deletes: the creator must still reap.
+
+    Another process's delete is a SIGKILL this process never waits for; stand in for it
+    by killing the sandbox's process group directly."""
+    import signal
+
+    first = backend.create(_spec("sm-reap-1"))
+    _ready(backend, "sm-reap-1")
+    meta = backend._load("sm-reap-1")
+    assert meta is not None and meta["pid"] in _children
+    os.killpg(int(meta["pid"]), signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while int(meta["pid"]) not in _zombies_of(os.getpid()):
+        assert time.monotonic() < deadline, "the killed sandbox never became our zombie"
+        time.sleep(0.05)
+    backend.create(_spec("sm-reap-2", nonce="n-2"))  # any later create sweeps
+    assert int(meta["pid"]) not in _children
+    assert int(meta["pid"]) not in _zombies_of(os.getpid())
+    assert first.name == "sm-reap-1"
+    backend.delete("ns", "sm-reap-2", "n-2")
+    backend.delete("ns", "sm-reap-1", "n-1")
+
+
+def test_ports_come_from_a_claimed_range_outside_the_ephemeral_one(
+    backend: LocalBackend,
+) -> None:
+    from broker.backends.local import PORT_RANGE
+
+    low, high = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    assert PORT_RANGE[1] <= low or PORT_RANGE[0] > high  # no outgoing connection can take one
+    names = ["sm-port-1", "sm-port-2"]
+    for i, name in enumerate(names):
+        backend.create(_spec(name, nonce=f"n-{i}"))
+    ports = [int(backend._load(n)["port"]) for n in names]  # type: ignore[index]
+    assert len(set(ports)) == 2 and all(PORT_RANGE[0] <= p < PORT_RANGE[1] for p in ports)
+    locks = backend.root / ".ports"
+    assert {int(p.name) for p in locks.iterdir()} >= set(ports)
+    for name in names:
+        _ready(backend, name)
+    for i, name in enumerate(names):
+        backend.delete("ns", name, f"n-{i}")
+    assert not {int(p.name) for p in locks.iterdir()} & set(ports)
