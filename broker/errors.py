@@ -1,27 +1,46 @@
 """One error tree for the whole broker, so trainers can tell infrastructure from task failures.
 
-SandmanError
-├── ConfigError(SandmanError, ValueError)            bad settings or arguments
-├── InvalidRequest(SandmanError, ValueError)         malformed acquire/task input; nothing was created
-│   └── UnknownJob(InvalidRequest, LookupError)
-├── InfrastructureError(SandmanError)                not the agent's fault: mask the sample, don't score it
-│   ├── ServiceUnavailable(InfrastructureError, ConnectionError)   Redis/PostgreSQL/broker down
-│   ├── AcquireTimeout(InfrastructureError, TimeoutError)          no sandbox within the caller's budget
-│   ├── SandboxLost(InfrastructureError)                           the pod or execd went away mid-rollout
-│   ├── CreateFailed(InfrastructureError)                          the provider could not make a ready sandbox
-│   ├── KubeError(InfrastructureError)                             a Kubernetes API call failed
-│   │   ├── KubeNotFound(KubeError, LookupError)                   404
-│   │   ├── KubeConflict(KubeError)                                409
-│   │   ├── KubeInvalid(KubeError, ValueError)                     422
-│   │   ├── KubeThrottled(KubeError)                               429 (carries retry_after)
-│   │   └── KubeUnavailable(KubeError, ConnectionError)            5xx, timeouts, transport errors:
-│   │                                                              the outcome is UNKNOWN, read back
-│   └── GuardMissing(InfrastructureError)                          egress-denied create without its policy
-├── IllegalTransition(SandmanError, RuntimeError)    a ledger state jump that the state machine forbids
-├── OwnershipError(SandmanError, RuntimeError)       a pod that is not provably ours was about to be touched
-└── ExecError(SandmanError)                          execd refused a call (bad input, auth)
-    ├── ExecAuthError(ExecError, PermissionError)
-    └── ExecTimeout(ExecError, TimeoutError)         the HTTP call itself timed out (not the command)
+Every class says whether retrying the same call can help: it inherits ``TemporaryError``
+(retry with backoff: Celery's ``autoretry_for`` on idempotent tasks uses exactly this) or
+``PermanentError`` (retrying gives the same answer). Groups drawn without a mark
+(InfrastructureError, KubeError) are only for ``except``; raised bare they count as
+permanent (``retryable`` is False), the safe default. ``code`` travels over the wire
+(``broker.wire.errors``) and never changes: older clients decode it.
+
+SandmanError                                                  retryable? (T/P)
+├── ConfigError(ValueError)                                   P  bad settings or arguments
+├── InvalidRequest(ValueError)                                P  malformed input; nothing was created
+│   ├── UnknownJob(LookupError)                               P
+│   └── TaskSpecError                       (grading.spec)    P  a task file that cannot be graded
+├── InfrastructureError                                          not the agent's fault: mask the sample
+│   ├── ServiceUnavailable(ConnectionError)                   T  Redis/PostgreSQL/broker down
+│   ├── AcquireTimeout(TimeoutError)                          T  no sandbox within the caller's budget
+│   ├── AtCapacity                                            T  the job holds max_live live sandboxes
+│   │                                                            (carries retry_after when known)
+│   ├── SandboxLost                                           P  the pod or execd went away mid-rollout
+│   ├── CreateFailed                                          P  the provider could not make a ready sandbox
+│   │   └── ForeignPod                                        P  a pod with our name is not ours (nonce or
+│   │                                                            installation differ): left untouched
+│   ├── KubeError                                                a Kubernetes API call failed
+│   │   ├── KubeNotFound(LookupError)                         P  404
+│   │   ├── KubeConflict                                      P  409 (settled by read-back, not retry)
+│   │   ├── KubeInvalid(ValueError)                           P  422
+│   │   ├── KubeThrottled                                     T  429 (carries retry_after)
+│   │   └── KubeUnavailable(ConnectionError)                  T  5xx, timeouts, transport errors:
+│   │                                                            the outcome is UNKNOWN, read back
+│   ├── GuardMissing                                          P  egress-denied create without its policy
+│   ├── GradingSandboxRejected              (grading.grade)   T  dirty or reused grading sandbox: take another
+│   ├── ProbeFailed                         (grading.probe)   T  the run-conditions probe did not answer
+│   └── ProbeContradiction                  (grading.probe)   P  the pod contradicts the task's conditions
+├── TaskError                               (grading.grade)   P  the task itself is broken
+├── PatchExtractionError                    (grading.patch)   P  the rollout repository yields no patch
+├── IllegalTransition(RuntimeError)                           P  a ledger state jump the state machine forbids
+├── OwnershipError(RuntimeError)                              P  a pod not provably ours was about to be touched
+│   └── ActionRefused                       (ownership.leaks) P  a leak action that is not safe now
+└── ExecError                                                 P  execd refused a call (bad input, auth)
+    ├── ExecAuthError(PermissionError)                        P
+    └── ExecTimeout(TimeoutError)                             P  the HTTP call timed out (not the command);
+                                                                 the call may have run: never replayed
 """
 
 from __future__ import annotations
@@ -32,13 +51,32 @@ class SandmanError(Exception):
 
     code = "sandman_error"
 
+    @property
+    def retryable(self) -> bool:
+        """True when the same call, retried later, can succeed."""
+        return isinstance(self, TemporaryError)
 
-class ConfigError(SandmanError, ValueError):
+
+class TemporaryError(SandmanError):
+    """Retrying later can help (a service, the API server or a cap may free up)."""
+
+
+class PermanentError(SandmanError):
+    """Retrying gives the same answer: report it, do not loop."""
+
+
+class ConfigError(PermanentError, ValueError):
     code = "config_error"
 
 
-class InvalidRequest(SandmanError, ValueError):
+class InvalidRequest(PermanentError, ValueError):
+    """Malformed input; ``field`` names the offending request field when there is one."""
+
     code = "invalid_request"
+
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 class UnknownJob(InvalidRequest, LookupError):
@@ -51,20 +89,43 @@ class InfrastructureError(SandmanError):
     code = "infrastructure_error"
 
 
-class ServiceUnavailable(InfrastructureError, ConnectionError):
+class ServiceUnavailable(InfrastructureError, TemporaryError, ConnectionError):
     code = "service_unavailable"
 
 
-class AcquireTimeout(InfrastructureError, TimeoutError):
+class AcquireTimeout(InfrastructureError, TemporaryError, TimeoutError):
     code = "acquire_timeout"
 
 
-class SandboxLost(InfrastructureError):
+class AtCapacity(InfrastructureError, TemporaryError):
+    """The job holds ``max_live`` live sandboxes; nothing was written."""
+
+    code = "at_capacity"
+
+    def __init__(self, message: str, *, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class SandboxLost(InfrastructureError, PermanentError):
     code = "sandbox_lost"
 
 
-class CreateFailed(InfrastructureError):
+class CreateFailed(InfrastructureError, PermanentError):
     code = "create_failed"
+
+
+class ForeignPod(CreateFailed):
+    """A pod with our deterministic name carries another nonce or installation.
+
+    It keeps ``create_failed`` as its wire code, so clients that predate it still decode
+    it as CreateFailed; the provider marks the row failed and never touches the pod.
+    """
+
+    def __init__(self, message: str, *, pod_name: str = "", nonce: str | None = None) -> None:
+        super().__init__(message)
+        self.pod_name = pod_name
+        self.nonce = nonce
 
 
 class KubeError(InfrastructureError):
@@ -75,19 +136,19 @@ class KubeError(InfrastructureError):
         self.status = status
 
 
-class KubeNotFound(KubeError, LookupError):
+class KubeNotFound(KubeError, PermanentError, LookupError):
     code = "kube_not_found"
 
 
-class KubeConflict(KubeError):
+class KubeConflict(KubeError, PermanentError):
     code = "kube_conflict"
 
 
-class KubeInvalid(KubeError, ValueError):
+class KubeInvalid(KubeError, PermanentError, ValueError):
     code = "kube_invalid"
 
 
-class KubeThrottled(KubeError):
+class KubeThrottled(KubeError, TemporaryError):
     code = "kube_throttled"
 
     def __init__(
@@ -97,25 +158,25 @@ class KubeThrottled(KubeError):
         self.retry_after = retry_after
 
 
-class KubeUnavailable(KubeError, ConnectionError):
+class KubeUnavailable(KubeError, TemporaryError, ConnectionError):
     """The call may or may not have taken effect: callers must read back before deciding."""
 
     code = "kube_unavailable"
 
 
-class GuardMissing(InfrastructureError):
+class GuardMissing(InfrastructureError, PermanentError):
     code = "guard_missing"
 
 
-class IllegalTransition(SandmanError, RuntimeError):
+class IllegalTransition(PermanentError, RuntimeError):
     code = "illegal_transition"
 
 
-class OwnershipError(SandmanError, RuntimeError):
+class OwnershipError(PermanentError, RuntimeError):
     code = "ownership_error"
 
 
-class ExecError(SandmanError):
+class ExecError(PermanentError):
     code = "exec_error"
 
     def __init__(self, message: str, *, status: int | None = None, error_code: str = "") -> None:

@@ -23,7 +23,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from broker.errors import ExecError, InfrastructureError, SandmanError
+from broker.errors import (
+    ExecError,
+    InfrastructureError,
+    PermanentError,
+    SandmanError,
+    TemporaryError,
+)
 from broker.grading import testlog
 from broker.grading.patch import ExtractedPatch, is_excluded
 from broker.grading.patchfmt import filter_patch, patch_paths
@@ -37,13 +43,13 @@ log = logging.getLogger(__name__)
 WORK = "/tmp/sandman-grade"  # noqa: S108 (inside the sandbox, not here)
 
 
-class GradingSandboxRejected(InfrastructureError):
+class GradingSandboxRejected(InfrastructureError, TemporaryError):
     """The sandbox handed out cannot be used for grading (dirty, reused when not allowed)."""
 
     code = "grading_sandbox_rejected"
 
 
-class TaskError(SandmanError):
+class TaskError(PermanentError):
     """The task itself is broken (its test patch does not apply): not the agent's fault."""
 
     code = "task_error"

@@ -24,7 +24,7 @@ import shlex
 import time
 from dataclasses import dataclass, field
 
-from broker.errors import SandmanError
+from broker.errors import PermanentError
 from broker.grading.patchfmt import filter_patch, glob_to_regex, patch_paths
 from broker.grading.seam import GradingSandbox
 from broker.grading.spec import TaskSpec
@@ -41,7 +41,7 @@ NEUTRAL_ATTRIBUTES = "* -text -filter !diff -ident !eol !working-tree-encoding !
 MARKER = "SANDMAN-EXTRACT"
 
 
-class PatchExtractionError(SandmanError):
+class PatchExtractionError(PermanentError):
     """The rollout sandbox's repository cannot yield a trustworthy patch.
 
     Not an InfrastructureError: a missing base commit in a rollout sandbox means the

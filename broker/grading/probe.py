@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 from importlib import resources
 from typing import Any
 
-from broker.errors import InfrastructureError
+from broker.errors import InfrastructureError, PermanentError, TemporaryError
 from broker.grading.seam import GradingSandbox
 from broker.grading.spec import Conditions
 
@@ -35,7 +35,7 @@ UTC_NAMES = frozenset({"UTC", "UTC0", "GMT", "GMT0"})
 MARKER = "SANDMAN-PROBE "
 
 
-class ProbeContradiction(InfrastructureError):
+class ProbeContradiction(InfrastructureError, PermanentError):
     """The grading pod does not match the task's declared run conditions: not graded."""
 
     code = "probe_contradiction"
@@ -46,7 +46,7 @@ class ProbeContradiction(InfrastructureError):
         super().__init__(f"run conditions contradict the task: {lines}")
 
 
-class ProbeFailed(InfrastructureError):
+class ProbeFailed(InfrastructureError, TemporaryError):
     code = "probe_failed"
 
 

@@ -30,7 +30,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
 from broker.backends.base import LABEL_JOB, LABEL_ROLE, LABEL_SANDBOX, Backend, PodInfo
-from broker.errors import SandmanError
+from broker.errors import OwnershipError, SandmanError
 from broker.ledger import store
 from broker.ledger.models import Job, Leak, Sandbox, new_id, utcnow
 from broker.ledger.states import Role, State
@@ -57,7 +57,7 @@ ACTIONS = ("delete", "adopt", "dismiss")
 _HEX32 = re.compile(r"^[0-9a-f]{32}$")
 
 
-class ActionRefused(Exception):
+class ActionRefused(OwnershipError):
     """The action is not safe or not possible now; the message says why."""
 
 
