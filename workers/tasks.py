@@ -1,9 +1,14 @@
 """Thin tasks: primitive ids in, a ``broker.acquire.service`` call, nothing else.
 
 Idempotence, and so ``acks_late``: an acquire is keyed by its request id (the provider's
-intent is idempotent and tokens are derived), a release settles whatever state it finds,
-a refill skips rows that already moved on. A message redelivered after a worker died
-therefore converges on the same sandbox instead of making a second one.
+admission is idempotent and tokens are derived), a release settles whatever state it
+finds, a refill skips rows that already moved on, a hand-out refuses a claimed row. A
+message redelivered after a worker died therefore converges on the same sandbox.
+
+The same idempotence makes retrying safe: those tasks retry a ``TemporaryError``
+(PostgreSQL or Redis briefly away, the API server throttling) with exponential backoff.
+The acquire task does not: its outcome, error included, goes to the trainer's mailbox,
+and the trainer, who owns the deadline, decides.
 """
 
 from __future__ import annotations
@@ -12,22 +17,31 @@ from typing import Any
 
 from celery.signals import worker_ready
 
+from broker.errors import TemporaryError
 from broker.names import Task
 from workers.app import app
 from workers.runtime import broker
 
+RETRY: dict[str, Any] = {
+    "autoretry_for": (TemporaryError,),
+    "retry_backoff": 1,
+    "retry_backoff_max": 60,
+    "retry_jitter": True,
+    "max_retries": 8,
+}
+
 
 @app.task(name=Task.ACQUIRE, acks_late=True, reject_on_worker_lost=True)
-def acquire(request: dict[str, Any]) -> dict[str, Any]:
-    return broker().acquire_and_deliver(request)
+def acquire(message: dict[str, Any]) -> dict[str, Any]:
+    return broker().acquire_and_deliver(message)
 
 
-@app.task(name=Task.RELEASE, acks_late=True, reject_on_worker_lost=True)
+@app.task(name=Task.RELEASE, acks_late=True, reject_on_worker_lost=True, **RETRY)
 def release(sandbox_id: str, reason: str = "released") -> str:
     return broker().release(sandbox_id, reason)
 
 
-@app.task(name=Task.CLAIMED, acks_late=True)
+@app.task(name=Task.CLAIMED, acks_late=True, **RETRY)
 def claimed(
     sandbox_id: str,
     request_id: str,
@@ -46,14 +60,14 @@ def heartbeat(sandbox_id: str, owner: str | None = None) -> str:
     return broker().heartbeat(sandbox_id, owner)
 
 
-@app.task(name=Task.POOL_REFILL, acks_late=True, reject_on_worker_lost=True)
+@app.task(name=Task.POOL_REFILL, acks_late=True, reject_on_worker_lost=True, **RETRY)
 def pool_refill(sandbox_id: str) -> str:
     return broker().refill(sandbox_id)
 
 
 @app.task(name=Task.POOL_UPKEEP, acks_late=True)
 def pool_upkeep() -> dict[str, Any]:
-    return broker().upkeep_all()
+    return broker().pools.upkeep_all()
 
 
 @app.task(name=Task.GC, acks_late=True)

@@ -38,7 +38,7 @@ from broker.ledger.states import State
 from broker.ownership.gc import RECENT_S, run_gc
 from broker.ownership.provider import Provider
 from broker.settings import Settings
-from broker.wire.types import AcquireSpec
+from broker.wire.request import AcquireRequest
 
 FAILPOINTS = (
     "after-intent",
@@ -136,7 +136,7 @@ def _trial_child(
     )
     try:
         sandbox_id, token = provider.intent(
-            AcquireSpec(
+            AcquireRequest(
                 job="campaign",
                 image="localhost/kwok:1",
                 cpu_m=10,

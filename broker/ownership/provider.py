@@ -25,7 +25,9 @@ from sqlalchemy.orm import Session, sessionmaker
 from broker.backends.base import Backend, PodInfo, PodSpec
 from broker.errors import (
     AcquireTimeout,
+    AtCapacity,
     CreateFailed,
+    ForeignPod,
     GuardMissing,
     InvalidRequest,
     KubeConflict,
@@ -33,6 +35,7 @@ from broker.errors import (
     KubeInvalid,
     KubeThrottled,
     KubeUnavailable,
+    SandboxLost,
 )
 from broker.ledger import store
 from broker.ledger.models import Job, Sandbox, new_id, utcnow
@@ -40,18 +43,12 @@ from broker.ledger.states import State
 from broker.ownership.tokens import broker_key, derive_token
 from broker.settings import Settings
 from broker.wire.execd import execd_answers
-from broker.wire.types import AcquireSpec, Lease
-from broker.wire.validation import validate_spec
+from broker.wire.request import AcquireRequest
+from broker.wire.types import Lease
 
 log = logging.getLogger(__name__)
 
 MAX_CREATE_ATTEMPTS = 6
-
-
-class AtCapacity(Exception):
-    """The job holds ``max_live`` live sandboxes; nothing was written."""
-
-
 DELETE_CONFIRM_S = 60.0
 JOB_TTL_S = 2.0
 
@@ -86,19 +83,26 @@ class Provider:
     def token_for(self, row: Sandbox) -> str:
         return derive_token(self._key, row.id, row.nonce)
 
-    def intent(self, spec: AcquireSpec, *, enforce_cap: bool = True) -> tuple[str, str]:
-        """Commit the intent row (idempotent by request id); return (sandbox id, token).
+    def intent(
+        self, spec: AcquireRequest, *, abandoned: bool = False, enforce_cap: bool = True
+    ) -> tuple[str, str]:
+        """The one admission step of an acquire; return (sandbox id, token).
 
-        The job's live-pod cap is hard: the count and the insert happen under a per-job
-        transaction lock, so concurrent workers can never overshoot it. Raises
-        ``AtCapacity`` when the job is at its cap (the caller waits and retries).
+        In one transaction: idempotency (a row with this request id is returned as it
+        is: a redelivered message converges on the same sandbox), then refusals that
+        write nothing (``abandoned``: the trainer cancelled while the message queued;
+        ``AtCapacity``: the job's live cap, counted under a per-job advisory lock so
+        concurrent workers never overshoot it), then the intent row, COMMITTED before
+        any create. The request was validated when it was built (``AcquireRequest``).
         """
-        validate_spec(spec)
         with self.sessions.begin() as session:
-            if spec.request_id:
-                existing = store.by_request(session, spec.request_id)
-                if existing is not None:
-                    return existing.id, self.token_for(existing)
+            existing = store.by_request(session, spec.request_id)
+            if existing is not None:
+                return existing.id, self.token_for(existing)
+            if abandoned:
+                raise AcquireTimeout(
+                    f"acquire {spec.request_id} was abandoned by its trainer while queued"
+                )
             job = self.job(session, spec.job)
             if enforce_cap and job.max_live:
                 live = store.count_live_locked(session, job.name)
@@ -128,7 +132,7 @@ class Provider:
                 base_commit=spec.base_commit,
                 pool_key=spec.pool_key,
                 egress_denied=job.egress != "allow",
-                enqueued_at=spec.enqueued_at,
+                enqueued_at=spec.enqueued_utc,
                 actor=self.actor,
             )
             result = row.id, token
@@ -152,7 +156,7 @@ class Provider:
             row = self._locked(session, sandbox_id)
             job = self.job(session, row.job)
             if row.state == State.READY:
-                return self._lease(row, token)
+                return Lease.from_row(row, token)
             if row.state not in (State.REQUESTED, State.CREATING):
                 raise CreateFailed(f"sandbox {sandbox_id} is {row.state}: {row.last_error}")
             if row.state == State.REQUESTED:
@@ -240,7 +244,11 @@ class Provider:
                     self._api_event(spec, "adopt", "nonce-match", attempt=attempt)
                     return found
                 self._api_event(spec, "adopt", "foreign", foreign_nonce=found.nonce)
-                raise CreateFailed(f"pod {spec.name} exists but is not ours; left untouched")
+                raise ForeignPod(
+                    f"pod {spec.name} exists but is not ours; left untouched",
+                    pod_name=spec.name,
+                    nonce=found.nonce,
+                )
             self._sleep(min(delay, 10.0))
             delay *= 2
         raise CreateFailed(
@@ -340,7 +348,7 @@ class Provider:
                         row.acquire_latency_s = (now - row.enqueued_at).total_seconds()
                 else:
                     row.lease_expires_at = None
-                return self._lease(row, token)
+                return Lease.from_row(row, token)
         # The caller gave up: the pod is ours to remove (provider-owned cleanup). We are
         # the creator, so the row's `creating` state must not defer the delete to us.
         self.release(sandbox_id, actor=self.actor, reason="caller-gave-up", creator_gone=True)
@@ -354,7 +362,7 @@ class Provider:
         self, sandbox_id: str, spec: PodSpec, exc: BaseException, audit: list[dict[str, object]]
     ) -> None:
         """After any failure in create, the pod (if any) is deleted: no window leaks one."""
-        foreign = isinstance(exc, CreateFailed) and "not ours" in str(exc)
+        foreign = isinstance(exc, ForeignPod)
         with self.sessions.begin() as session:
             row = self._locked(session, sandbox_id)
             self._write_audit(session, row, audit)
@@ -368,16 +376,31 @@ class Provider:
 
     # -- hand-out, heartbeat ----------------------------------------------------------
 
-    def hand_out(self, sandbox_id: str, *, request_id: str | None, owner: str | None) -> None:
-        """Give a warm (ready, unclaimed) sandbox to a trainer: ledger only, no API call."""
+    def hand_out(
+        self,
+        sandbox_id: str,
+        *,
+        request_id: str | None,
+        owner: str | None,
+        enqueued_at: dt.datetime | None = None,
+        latency_s: float | None = None,
+    ) -> str:
+        """Give a warm (ready, unclaimed) sandbox to a trainer: ledger only, no API call.
+
+        One row lock writes the whole hand-out (owner, lease, latency); returns the job
+        name so the caller can trigger the pool's replacement."""
         with self.sessions.begin() as session:
             row = self._locked(session, sandbox_id)
-            job = store.get_job(session, row.job)
+            job = self.job(session, row.job)
             if row.state != State.READY or row.acquired_at is not None:
                 raise CreateFailed(f"sandbox {sandbox_id} is not an unclaimed ready sandbox")
             now = utcnow()
             row.request_id, row.owner, row.pool_key = request_id, owner, None
             row.acquired_at, row.lease_expires_at = now, now + dt.timedelta(seconds=job.lease_s)
+            row.enqueued_at = enqueued_at or now
+            if latency_s is None and enqueued_at is not None:
+                latency_s = (now - enqueued_at).total_seconds()
+            row.acquire_latency_s = latency_s
             store.append_event(
                 session,
                 row,
@@ -386,13 +409,12 @@ class Provider:
                 actor=self.actor,
                 detail={"request_id": request_id},
             )
+            return row.job
 
     def heartbeat(self, sandbox_id: str, owner: str | None = None) -> dt.datetime:
         with self.sessions.begin() as session:
             row = self._locked(session, sandbox_id)
             if row.state != State.READY:
-                from broker.errors import SandboxLost
-
                 raise SandboxLost(f"sandbox {sandbox_id} is {row.state}")
             job = store.get_job(session, row.job)
             row.lease_expires_at = utcnow() + dt.timedelta(seconds=job.lease_s)
@@ -491,20 +513,6 @@ class Provider:
         if row is None:
             raise InvalidRequest(f"no sandbox {sandbox_id!r}")
         return row
-
-    def _lease(self, row: Sandbox, token: str) -> Lease:
-        return Lease(
-            sandbox_id=row.id,
-            pod_name=row.pod_name,
-            address=row.address or "",
-            token=token,
-            job=row.job,
-            role=str(row.role),
-            warm=row.pool_key is not None,
-            lease_expires_at=row.lease_expires_at.isoformat() if row.lease_expires_at else None,
-            acquire_latency_s=row.acquire_latency_s,
-            create_to_ready_s=row.create_to_ready_s,
-        )
 
     def _write_audit(self, session: Session, row: Sandbox, audit: list[dict[str, object]]) -> None:
         for item in audit:

@@ -1,39 +1,37 @@
-"""Value types exchanged between the provider and its callers (workers, pools, client).
+"""The lease: what a trainer gets back, built in one place (``Lease.from_row``).
 
-Kept apart from ``broker.ownership.provider`` so callers can import them without a backend.
+Kept free of the ledger's imports (the row is described by a Protocol) so the trainer's
+client can decode leases without SQLAlchemy. The request side lives in
+``broker.wire.request``.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from broker.ledger.states import Role
 
 
-@dataclass(frozen=True)
-class AcquireSpec:
-    """One sandbox request. ``request_id`` makes acquires idempotent end to end."""
+class LeaseRow(Protocol):
+    """The ledger columns a lease is made of (``broker.ledger.models.Sandbox``)."""
 
+    id: str
+    pod_name: str
+    address: str | None
     job: str
-    image: str
-    cpu_m: int = 1000
-    memory_b: int = 1 << 30
-    role: Role = Role.ROLLOUT
-    request_id: str | None = None
-    image_digest: str | None = None
-    base_commit: str | None = None
-    pool_key: str | None = None  # set for warm-pool creates (never-used pods)
-    workdir: str = "/"
-    env: dict[str, str] = field(default_factory=dict)
-    owner: str | None = None
-    enqueued_at: dt.datetime | None = None
+    role: Role
+    pool_key: str | None
+    reuse_count: int
+    lease_expires_at: dt.datetime | None
+    acquire_latency_s: float | None
+    create_to_ready_s: float | None
 
 
 @dataclass(frozen=True)
 class Lease:
-    """What a trainer gets back: where execd answers and the bearer token to use."""
+    """Where execd answers and the bearer token to use."""
 
     sandbox_id: str
     pod_name: str
@@ -46,6 +44,30 @@ class Lease:
     lease_expires_at: str | None = None  # ISO 8601
     acquire_latency_s: float | None = None
     create_to_ready_s: float | None = None
+
+    @classmethod
+    def from_row(cls, row: LeaseRow, token: str) -> Lease:
+        """The one way a lease is made from the ledger.
+
+        A row still in a pool (``pool_key`` set) is a warm lease: it has no expiry and no
+        acquire latency yet, both belong to the hand-out that has not happened; the
+        trainer that claims it measures its own.
+        """
+        warm = row.pool_key is not None
+        expires = row.lease_expires_at
+        return cls(
+            sandbox_id=row.id,
+            pod_name=row.pod_name,
+            address=row.address or "",
+            token=token,
+            job=row.job,
+            role=str(row.role),
+            warm=warm,
+            reused=row.reuse_count > 0,
+            lease_expires_at=expires.isoformat() if expires and not warm else None,
+            acquire_latency_s=None if warm else row.acquire_latency_s,
+            create_to_ready_s=row.create_to_ready_s,
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -25,7 +25,7 @@ from broker.ownership.gc import run_gc
 from broker.ownership.provider import Provider
 from broker.settings import Settings
 from broker.wire.execd import execd_answers
-from broker.wire.types import AcquireSpec
+from broker.wire.request import AcquireRequest
 from tests.cluster.conftest import (
     KWOK_NODE_SELECTOR,
     KWOK_TOLERATION,
@@ -64,7 +64,7 @@ def provider(settings, sessions):
 
 
 def kwok_spec(**kw):
-    return AcquireSpec(job="kwok", image="localhost/kwok:1", cpu_m=10, memory_b=16 << 20, **kw)
+    return AcquireRequest(job="kwok", image="localhost/kwok:1", cpu_m=10, memory_b=16 << 20, **kw)
 
 
 def pods_of(provider):
@@ -80,7 +80,7 @@ def state_of(sessions, sid):
 
 def test_happy_path_on_the_real_node(provider, sessions, core_v1, settings):
     sid, token = provider.intent(
-        AcquireSpec(
+        AcquireRequest(
             job="real",
             image=TASK_BASE_IMAGE,
             cpu_m=250,
@@ -323,7 +323,7 @@ def test_waiters_recover_when_the_shared_watch_is_cut(
         backend = KubeBackend.from_settings(proxied)
         p = Provider(proxied, sessions, backend)
         sid, token = p.intent(
-            AcquireSpec(job="real", image=TASK_BASE_IMAGE, cpu_m=100, memory_b=128 << 20)
+            AcquireRequest(job="real", image=TASK_BASE_IMAGE, cpu_m=100, memory_b=128 << 20)
         )
         result: dict[str, object] = {}
 

@@ -16,7 +16,7 @@ import pytest
 from broker.ledger import store
 from broker.ownership.provider import Provider
 from broker.settings import Settings
-from broker.wire.types import AcquireSpec
+from broker.wire.request import AcquireRequest
 from tests.support.fakes import FakeBackend
 
 ADMIN_TOKEN = "admin-" + "t" * 24
@@ -103,6 +103,6 @@ def viewer(app):
 
 
 def ready_sandbox(provider: Provider, job: str) -> str:
-    sid, token = provider.intent(AcquireSpec(job=job, image="localhost/task:1"))
+    sid, token = provider.intent(AcquireRequest(job=job, image="localhost/task:1"))
     provider.create(sid, token)
     return sid

@@ -29,6 +29,7 @@ from broker.ledger import store
 from broker.ledger.models import Event, Sandbox
 from broker.settings import Settings
 from broker.wire import mailbox
+from broker.wire.request import AcquireRequest
 
 pytestmark = pytest.mark.integration
 QUEUES = ("acquire", "release", "pool")
@@ -161,8 +162,8 @@ def test_worker_answers_typed_error_and_leaves_nothing(env, message):
     rid = str(message.get("request_id", "missing"))
     out = svc.acquire_and_deliver(message) if "request_id" in message else None
     if out is None:
-        with pytest.raises(InvalidRequest):
-            svc.acquire(message)
+        with pytest.raises(InvalidRequest):  # no mailbox to answer: the parser is the door
+            AcquireRequest.parse(message)
     else:
         got = r.blpop([mailbox.result_key(rid)], timeout=5)
         assert got is not None, "no answer in the trainer's mailbox"

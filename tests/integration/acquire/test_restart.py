@@ -22,6 +22,7 @@ from broker.ledger.models import Sandbox, utcnow
 from broker.ledger.states import State
 from broker.ownership.gc import run_gc
 from broker.settings import Settings
+from broker.wire.request import AcquireRequest
 
 pytestmark = pytest.mark.integration
 
@@ -41,16 +42,18 @@ def _broker(settings: Settings, sessions: Any) -> Broker:
     return Broker(settings, sessions, LocalBackend(settings), client, enqueue=lambda *a: None)
 
 
-def _request(job: str) -> dict[str, Any]:
-    return {
-        "request_id": f"r-{uuid.uuid4().hex}",
-        "job": job,
-        "image": "python:3.12",
-        "cpu_m": 200,
-        "memory_b": 128 << 20,
-        "enqueued_at": time.time(),
-        "deadline": time.time() + 30,
-    }
+def _request(job: str) -> AcquireRequest:
+    return AcquireRequest.parse(
+        {
+            "request_id": f"r-{uuid.uuid4().hex}",
+            "job": job,
+            "image": "python:3.12",
+            "cpu_m": 200,
+            "memory_b": 128 << 20,
+            "enqueued_at": time.time(),
+            "deadline": time.time() + 30,
+        }
+    )
 
 
 def test_redelivered_acquire_and_gc_after_restart(

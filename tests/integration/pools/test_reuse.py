@@ -6,7 +6,6 @@ whose state check answers from a marker file, so each verdict can be forced.
 from __future__ import annotations
 
 import secrets
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,10 @@ from broker.backends.local import LocalBackend
 from broker.ledger import store
 from broker.ledger.models import Event, Sandbox
 from broker.ledger.states import State
+from broker.pools.store import pool_key
 from broker.settings import Settings
+from broker.wire.request import AcquireRequest
+from broker.wire.types import Lease
 
 pytestmark = pytest.mark.integration
 
@@ -91,19 +93,22 @@ def broker(database_url: str, redis_url: str, sessions: Any, tmp_path: Path) -> 
     client.close()
 
 
-def _request() -> dict[str, Any]:
-    import time
+def _request() -> AcquireRequest:
+    return AcquireRequest.new(
+        job="grading", image="swe/task:1", cpu="500m", memory=256 << 20, role="grading"
+    )
 
-    return {
-        "request_id": f"r-{uuid.uuid4().hex}",
-        "job": "grading",
-        "image": "swe/task:1",
-        "cpu_m": 500,
-        "memory_b": 256 << 20,
-        "role": "grading",
-        "enqueued_at": time.time(),
-        "deadline": time.time() + 30,
-    }
+
+def _acquire(broker: Broker) -> Lease:
+    """What the trainer's client does: the warm pool first (a reused pod is published
+    there), then a cold acquire through the service."""
+    request = _request()
+    key = pool_key(request.image, None, None, request.cpu_m, request.memory_b)
+    lease = broker.warm.claim(request.job, key, request.request_id)
+    if lease is None:
+        return broker.acquire(request)
+    broker.claimed(lease.sandbox_id, request.request_id, None, None, request.enqueued_utc)
+    return lease
 
 
 def _exec(address: str, token: str, command: str) -> None:
@@ -131,17 +136,17 @@ def _decisions(sessions: Any, sandbox_id: str) -> list[tuple[str, str | None]]:
 def test_clean_and_restorable_pods_are_reused_up_to_the_limit(
     broker: Broker, sessions: Any
 ) -> None:
-    first = broker.acquire(_request())
+    first = _acquire(broker)
     assert broker.release(first.sandbox_id) == "reused"
     with sessions() as session:
         row = session.get(Sandbox, first.sandbox_id)
         assert row is not None and row.state == State.READY and row.reuse_count == 1
         assert row.owner is None and row.pool_key is not None
-    second = broker.acquire(_request())  # a compatible request gets the checked pod
+    second = _acquire(broker)  # a compatible request gets the checked pod
     assert second.sandbox_id == first.sandbox_id and second.reused
     _exec(second.address, second.token, "printf restorable > DIRTY")
     assert broker.release(second.sandbox_id) == "reused"  # restored, then clean
-    third = broker.acquire(_request())
+    third = _acquire(broker)
     assert third.sandbox_id == first.sandbox_id
     assert broker.release(third.sandbox_id) == "released"  # max_reuses=2 reached
     with sessions() as session:
@@ -155,7 +160,7 @@ def test_clean_and_restorable_pods_are_reused_up_to_the_limit(
 
 
 def test_dirty_pods_are_deleted_not_reused(broker: Broker, sessions: Any) -> None:
-    lease = broker.acquire(_request())
+    lease = _acquire(broker)
     _exec(lease.address, lease.token, "printf poisoned > DIRTY")
     assert broker.release(lease.sandbox_id) == "released"
     with sessions() as session:
@@ -163,6 +168,6 @@ def test_dirty_pods_are_deleted_not_reused(broker: Broker, sessions: Any) -> Non
         assert row is not None and row.state == State.DELETED and row.reuse_count == 0
     assert _decisions(sessions, lease.sandbox_id) == [("reject", "dirty")]
     # The next request gets a fresh pod, never the poisoned one.
-    fresh = broker.acquire(_request())
+    fresh = _acquire(broker)
     assert fresh.sandbox_id != lease.sandbox_id
     broker.release(fresh.sandbox_id, reason="done")

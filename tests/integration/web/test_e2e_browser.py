@@ -30,6 +30,7 @@ from broker.ledger.models import Sandbox
 from broker.ledger.states import State
 from broker.ownership.gc import run_gc
 from broker.settings import Settings
+from broker.wire.request import AcquireRequest
 from tests.conftest import unavailable
 from tests.support.web_app import ADMIN_TOKEN
 
@@ -142,11 +143,11 @@ def plant_unowned_pod(stack, job: str) -> tuple[str, str]:
 
 def acquire(stack, job: str):
     """One real acquire through the broker service: pacer, intent, local pod, readiness."""
-    return stack["broker"].acquire({
+    return stack["broker"].acquire(AcquireRequest.parse({
         "request_id": f"r-{uuid.uuid4().hex}", "job": job, "image": "local/task:1",
         "cpu_m": 500, "memory_b": 256 << 20, "enqueued_at": time.time(),
         "deadline": time.time() + 60,
-    })  # fmt: skip
+    }))  # fmt: skip
 
 
 def test_operator_flow_in_a_real_browser(stack, browser):

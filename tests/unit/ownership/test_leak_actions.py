@@ -12,7 +12,7 @@ from broker.ledger import store
 from broker.ledger.models import Event, Leak, Sandbox, utcnow
 from broker.ledger.states import State
 from broker.ownership.gc import run_gc
-from broker.wire.types import AcquireSpec
+from broker.wire.request import AcquireRequest
 from tests.support.web_app import ADMIN_TOKEN, csrf_of, ready_sandbox
 
 pytestmark = pytest.mark.unit
@@ -117,7 +117,7 @@ def test_adopt_refuses_an_unknown_job(admin, backend, sessions, web_settings):
 def test_ledger_backed_leak_is_deleted_through_the_provider(
     admin, backend, sessions, provider, job
 ):
-    sid, token = provider.intent(AcquireSpec(job=job, image="localhost/task:1"))
+    sid, token = provider.intent(AcquireRequest(job=job, image="localhost/task:1"))
     provider.create(sid, token)
     with sessions.begin() as s:  # simulate a create whose worker died mid-way
         row = s.get(Sandbox, sid)

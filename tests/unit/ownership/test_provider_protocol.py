@@ -7,14 +7,22 @@ import pytest
 from sqlalchemy import select, update
 
 from broker.backends.base import LABEL_INSTALLATION, LABEL_NONCE
-from broker.errors import AcquireTimeout, CreateFailed, IllegalTransition, UnknownJob
+from broker.errors import (
+    AcquireTimeout,
+    AtCapacity,
+    CreateFailed,
+    ForeignPod,
+    GuardMissing,
+    IllegalTransition,
+    UnknownJob,
+)
 from broker.ledger import store
 from broker.ledger.models import Event, Leak, Sandbox
 from broker.ledger.states import State
 from broker.ownership.gc import run_gc
 from broker.ownership.provider import Provider
 from broker.settings import Settings
-from broker.wire.types import AcquireSpec
+from broker.wire.request import AcquireRequest
 from tests.support.fakes import FakeBackend
 
 pytestmark = pytest.mark.unit
@@ -38,7 +46,7 @@ def provider(sessions, backend, tmp_path):
 
 
 def spec(**kw):
-    return AcquireSpec(job=kw.pop("job", "job-a"), image="localhost/task:1", **kw)
+    return AcquireRequest(job=kw.pop("job", "job-a"), image="localhost/task:1", **kw)
 
 
 def row_of(sessions, sandbox_id) -> Sandbox:
@@ -116,10 +124,35 @@ def test_foreign_pod_with_our_name_is_never_touched(provider, backend, sessions)
     backend.add_pod(
         "sandman-sandboxes", name, {LABEL_INSTALLATION: "other", LABEL_NONCE: "sentinel"}
     )
-    with pytest.raises(CreateFailed, match="not ours"):
+    with pytest.raises(ForeignPod) as info:
         provider.create(sid, token)
+    assert isinstance(info.value, CreateFailed) and info.value.code == CreateFailed.code
+    assert info.value.pod_name == name and info.value.nonce == "sentinel"
+    assert not info.value.retryable
     assert backend.pods[("sandman-sandboxes", name)].nonce == "sentinel"
     assert row_of(sessions, sid).state == State.FAILED
+
+
+def test_job_at_its_live_cap_is_refused_by_type_and_writes_nothing(provider, sessions):
+    with sessions.begin() as s:
+        store.ensure_job(s, "job-capped", max_live=1)
+    provider.intent(spec(job="job-capped", request_id="r-cap-1"))
+    with pytest.raises(AtCapacity) as info:
+        provider.intent(spec(job="job-capped", request_id="r-cap-2"))
+    assert info.value.retryable
+    with sessions() as s:
+        assert store.by_request(s, "r-cap-2") is None
+    # the cap never refuses a redelivery of an admitted request
+    assert provider.intent(spec(job="job-capped", request_id="r-cap-1"))
+
+
+def test_abandoned_request_is_refused_unless_already_admitted(provider, sessions):
+    admitted = provider.intent(spec(request_id="r-admitted"))
+    assert provider.intent(spec(request_id="r-admitted"), abandoned=True) == admitted
+    with pytest.raises(AcquireTimeout):
+        provider.intent(spec(request_id="r-abandoned"), abandoned=True)
+    with sessions() as s:
+        assert store.by_request(s, "r-abandoned") is None
 
 
 def test_caller_giving_up_mid_create_still_gets_the_pod_deleted(provider, backend, sessions):
@@ -172,7 +205,7 @@ def test_release_during_create_is_honoured_by_the_creator(provider, backend, ses
 def test_egress_denied_create_is_refused_without_its_guard(provider, backend, sessions):
     backend.deny_guard_install = True
     sid, token = provider.intent(spec(job="job-deny"))
-    with pytest.raises(Exception, match="policy is missing"):
+    with pytest.raises(GuardMissing):
         provider.create(sid, token)
     assert not backend.pods
 

@@ -1,0 +1,151 @@
+"""The typed acquire request: the one door for trainer arguments and queue messages."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import pytest
+
+from broker.errors import InvalidRequest
+from broker.ledger.states import Role
+from broker.wire.request import AcquireRequest, request_body
+
+pytestmark = pytest.mark.unit
+
+
+def _message(**over: Any) -> dict[str, Any]:
+    now = time.time()
+    base: dict[str, Any] = {"request_id": "r-1", "job": "j", "image": "python:3.12"}
+    base.update({"cpu_m": 500, "memory_b": 512 << 20, "enqueued_at": now, "deadline": now + 30})
+    base.update(over)
+    return {k: v for k, v in base.items() if v is not ...}
+
+
+def test_wire_round_trip_is_lossless() -> None:
+    request = AcquireRequest.new(
+        image="python:3.12",
+        job="j",
+        cpu="250m",
+        memory="1Gi",
+        role="grading",
+        image_digest="sha256:" + "a" * 64,
+        base_commit="abc123",
+        workdir="/workspace",
+        env={"A": "1"},
+        owner="host:1",
+        timeout=60,
+    )
+    assert AcquireRequest.parse(request.to_wire()) == request
+    assert request.role is Role.GRADING and request.cpu_m == 250
+    assert request.deadline is not None and 59 < request.deadline - request.enqueued_at <= 60
+
+
+def test_request_body_is_the_wire_form_of_new() -> None:
+    body = request_body(image="python:3.12", job="j", owner="me", timeout=30.0)
+    assert AcquireRequest.parse(body).to_wire() == body
+
+
+def test_defaults_of_a_minimal_message() -> None:
+    request = AcquireRequest.parse({"request_id": "r-2", "job": "j", "image": "python:3.12"})
+    assert (request.cpu_m, request.memory_b, request.role) == (1000, 1 << 30, Role.ROLLOUT)
+    assert request.workdir == "/" and request.env == {} and request.deadline is None
+
+
+def test_the_queue_cannot_place_a_create_in_a_pool() -> None:
+    assert AcquireRequest.parse(_message(pool_key="p" + "0" * 24)).pool_key is None
+
+
+def test_the_value_is_frozen() -> None:
+    request = AcquireRequest.parse(_message())
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        request.cpu_m = 64_000  # type: ignore[misc]
+
+
+BAD_MESSAGES: list[tuple[str, dict[str, Any]]] = [
+    ("request_id", _message(request_id=...)),
+    ("request_id", _message(request_id="r-1\n")),
+    ("request_id", _message(request_id=7)),
+    ("job", _message(job=...)),
+    ("job", _message(job="")),
+    ("job", _message(job=None)),
+    ("job", _message(job="x" * 64)),
+    ("image", _message(image=...)),
+    ("image", _message(image="Bad Image")),
+    ("image", _message(image="python:3.12\n")),
+    ("cpu_m", _message(cpu_m=5)),
+    ("cpu_m", _message(cpu_m=10**12)),
+    ("cpu_m", _message(cpu_m="500")),
+    ("cpu_m", _message(cpu_m=True)),
+    ("cpu_m", _message(cpu_m=500.0)),
+    ("memory_b", _message(memory_b=0)),
+    ("memory_b", _message(memory_b=[1])),
+    ("memory_b", _message(memory_b=10**20)),
+    ("role", _message(role="admin")),
+    ("role", _message(role=None)),
+    ("role", _message(role=["rollout"])),
+    ("image_digest", _message(image_digest="sha256:short")),
+    ("image_digest", _message(image_digest="sha256:" + "a" * 64 + "\n")),
+    ("base_commit", _message(base_commit=5)),
+    ("base_commit", _message(base_commit="abc\n")),
+    ("workdir", _message(workdir="relative/dir")),
+    ("workdir", _message(workdir=3)),
+    ("env", _message(env="A=1")),
+    ("env", _message(env={"A": 1})),
+    ("env", _message(env={"1A": "x"})),
+    ("env", _message(env={"A": "x\x00"})),
+    ("owner", _message(owner=3)),
+    ("enqueued_at", _message(enqueued_at="yesterday")),
+    ("enqueued_at", _message(enqueued_at=float("nan"))),
+    ("deadline", _message(deadline="soon")),
+    ("deadline", _message(deadline=True)),
+    ("deadline", _message(deadline=float("inf"))),
+]
+
+
+@pytest.mark.parametrize(("field", "message"), BAD_MESSAGES, ids=lambda x: str(x)[:50])
+def test_every_invalid_field_of_a_message_is_named(field: str, message: dict[str, Any]) -> None:
+    with pytest.raises(InvalidRequest) as info:
+        AcquireRequest.parse(message)
+    assert info.value.field == field
+    assert not info.value.retryable
+
+
+@pytest.mark.parametrize("message", [None, [], "request", 3])
+def test_a_message_that_is_not_an_object_is_refused(message: object) -> None:
+    with pytest.raises(InvalidRequest) as info:
+        AcquireRequest.parse(message)
+    assert info.value.field == "request"
+
+
+BAD_ARGUMENTS: list[tuple[str, dict[str, Any]]] = [
+    ("cpu", {"cpu": "abc"}),
+    ("cpu", {"cpu": "0"}),
+    ("cpu", {"cpu": True}),
+    ("memory", {"memory": "lots"}),
+    ("memory", {"memory": "1Pi"}),
+    ("image", {"image": "Not An Image"}),
+    ("job", {"job": ""}),
+    ("timeout", {"timeout": 0}),
+    ("timeout", {"timeout": 10**9}),
+    ("timeout", {"timeout": "30"}),
+    ("role", {"role": "root"}),
+    ("workdir", {"workdir": "tmp"}),
+    ("env", {"env": {"A B": "1"}}),
+]
+
+
+@pytest.mark.parametrize(("field", "over"), BAD_ARGUMENTS, ids=lambda x: str(x)[:40])
+def test_every_invalid_trainer_argument_is_named(field: str, over: dict[str, Any]) -> None:
+    args: dict[str, Any] = {"image": "python:3.12", "job": "j", **over}
+    with pytest.raises(InvalidRequest) as info:
+        AcquireRequest.new(**args)
+    assert info.value.field == field
+
+
+def test_direct_construction_is_checked_too() -> None:
+    """There is no third, unchecked way in: the constructor holds the checks."""
+    with pytest.raises(InvalidRequest) as info:
+        AcquireRequest(job="j", image="python:3.12", cpu_m=0)
+    assert info.value.field == "cpu_m"
