@@ -19,7 +19,6 @@ touch a `sandman up` running on the default state dir.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import os
@@ -30,53 +29,19 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-OUT = REPO / "bench" / "out"
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import OUT, REPO, bench_env, load, save, stop_services, summary
 
 
 def local_env() -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(
-        SANDMAN_STATE_DIR=str(OUT / "state-local"),
-        SANDMAN_EMBEDDED_PG_PORT="25432",
-        SANDMAN_EMBEDDED_REDIS_PORT="26379",
-        SANDMAN_BACKEND="local",
-        SANDMAN_DATABASE_URL="",
-        SANDMAN_REDIS_URL="",
-        SANDMAN_INSTALLATION_ID="sandman-bench-local",
+    return bench_env(
+        OUT / "state-local",
+        pg_port=25432,
+        redis_port=26379,
+        backend="local",
+        installation="sandman-bench-local",
     )
-    return env
-
-
-def pct(values: list[float], q: float) -> float:
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
-
-
-def summary(values: list[float]) -> dict[str, float]:
-    return {
-        "n": len(values),
-        "p50": pct(values, 50),
-        "p90": pct(values, 90),
-        "p99": pct(values, 99),
-        "max": max(values) if values else math.nan,
-    }
-
-
-def save(name: str, doc: dict[str, Any]) -> Path:
-    OUT.mkdir(parents=True, exist_ok=True)
-    path = OUT / f"{name}.json"
-    path.write_text(json.dumps(doc, indent=2, default=str))
-    print(f"wrote {path}", flush=True)
-    return path
-
-
-def load(name: str) -> dict[str, Any] | None:
-    path = OUT / f"{name}.json"
-    return json.loads(path.read_text()) if path.exists() else None
 
 
 # -- replay: simulator vs the real broker ---------------------------------------------------
@@ -86,7 +51,6 @@ def phase_replay(args: argparse.Namespace) -> None:
     os.environ.update(local_env())
     from broker.client.sync import SandboxClient
     from broker.ledger.db import make_engine, make_session_factory
-    from broker.local.services import stop_postgres, stop_redis
     from broker.local.stack import Stack
     from broker.replay import Policy, write_trace
     from broker.replay.validate import drive, synthetic_trace
@@ -127,8 +91,7 @@ def phase_replay(args: argparse.Namespace) -> None:
         client.close()
         engine.dispose()
         stack.stop()
-        stop_postgres(settings)
-        stop_redis(settings)
+        stop_services(settings)
 
 
 # -- execd vs raw pipe vs SWE-ReX --------------------------------------------------------------
@@ -138,10 +101,8 @@ def phase_execd(args: argparse.Namespace) -> None:
     import shutil
     import tempfile
 
-    spec = importlib.util.spec_from_file_location("execd_bench", REPO / "bench" / "execd_bench.py")
-    assert spec and spec.loader
-    eb = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(eb)
+    from bench import execd_bench as eb
+
     tmp = Path(tempfile.mkdtemp(prefix="report-execd-"))
     d = eb.Execd(sys.executable, tmp)
     try:
@@ -209,12 +170,9 @@ def phase_broker(args: argparse.Namespace) -> None:
             "wall_s": time.monotonic() - started,
         },
     )
-    from broker.local.services import stop_postgres, stop_redis
     from broker.settings import Settings
 
-    settings = Settings.from_env(local_env())
-    stop_postgres(settings)
-    stop_redis(settings)
+    stop_services(Settings.from_env(local_env()))
 
 
 # -- the report --------------------------------------------------------------------------------
@@ -234,17 +192,21 @@ def _plots(scale: dict | None, burst: dict | None, execd: dict | None) -> list[s
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    made = []
+    made: list[str] = []
+
+    def done(fig: Any, name: str) -> None:
+        fig.tight_layout()
+        fig.savefig(OUT / name, dpi=90)
+        plt.close(fig)
+        made.append(name)
+
     if scale and scale.get("hist_create_to_ready"):
         fig, axes = plt.subplots(1, 2, figsize=(11, 4))
         axes[0].hist(scale["hist_create_to_ready"], bins=60, color="#3b7dd8")
         axes[0].set(title="create-to-Ready (kwok, simulated readiness)", xlabel="s", ylabel="pods")
         axes[1].hist(scale["hist_acquire"], bins=60, color="#d8793b")
         axes[1].set(title="queue-inclusive acquisition", xlabel="s")
-        fig.tight_layout()
-        fig.savefig(OUT / "scale_latency_hist.png", dpi=90)
-        plt.close(fig)
-        made.append("scale_latency_hist.png")
+        done(fig, "scale_latency_hist.png")
     if scale and scale.get("live_series"):
         fig, ax = plt.subplots(figsize=(11, 4))
         t, live = zip(*scale["live_series"], strict=True)
@@ -258,10 +220,7 @@ def _plots(scale: dict | None, burst: dict | None, execd: dict | None) -> list[s
         ax2.axhline(scale["pacer_rate"], color="#d8793b", ls=":", label="pacer setting")
         ax2.set(ylabel="creates/s")
         fig.legend(loc="upper left")
-        fig.tight_layout()
-        fig.savefig(OUT / "scale_ramp.png", dpi=90)
-        plt.close(fig)
-        made.append("scale_ramp.png")
+        done(fig, "scale_ramp.png")
     if burst and burst.get("create_rate_series"):
         fig, ax = plt.subplots(figsize=(11, 3.5))
         bt, br = zip(*burst["create_rate_series"], strict=True)
@@ -273,10 +232,7 @@ def _plots(scale: dict | None, burst: dict | None, execd: dict | None) -> list[s
             title=f"{burst['args']['n']} acquires submitted in {burst['submit_s']:.2f}s",
         )
         ax.legend()
-        fig.tight_layout()
-        fig.savefig(OUT / "burst_rate.png", dpi=90)
-        plt.close(fig)
-        made.append("burst_rate.png")
+        done(fig, "burst_rate.png")
     if execd:
         fig, ax = plt.subplots(figsize=(11, 3.5))
         import numpy as np
@@ -294,10 +250,7 @@ def _plots(scale: dict | None, burst: dict | None, execd: dict | None) -> list[s
         ax.set_xscale("log")
         ax.set(xlabel="echo hi round trip (s, log)", ylabel="calls")
         ax.legend()
-        fig.tight_layout()
-        fig.savefig(OUT / "execd_hist.png", dpi=90)
-        plt.close(fig)
-        made.append("execd_hist.png")
+        done(fig, "execd_hist.png")
     return made
 
 

@@ -13,7 +13,7 @@ import pytest
 from sqlalchemy import select
 
 from bench.harness.faultproxy import FaultProxy, Rule
-from broker.backends.base import LABEL_INSTALLATION, LABEL_JOB, LABEL_NONCE
+from bench.kwok import sentinel_pod
 from broker.backends.kube.api import Kube, load_api_client
 from broker.backends.kube.backend import KubeBackend
 from broker.backends.kube.podspec import owner_name
@@ -235,26 +235,7 @@ def test_sentinel_pods_are_never_deleted(provider, settings, kubeconfig_path):
     names = []
     for i, inst in enumerate(["another-installation", settings.installation_id]):
         name = f"sentinel-{i}-{sid_hex()}"
-        admin.create_pod(
-            settings.namespace,
-            {
-                "apiVersion": "v1",
-                "kind": "Pod",
-                "metadata": {
-                    "name": name,
-                    "labels": {
-                        LABEL_INSTALLATION: inst,
-                        LABEL_JOB: "kwok",
-                        LABEL_NONCE: "not-in-any-ledger",
-                    },
-                },
-                "spec": {
-                    "nodeSelector": KWOK_NODE_SELECTOR,
-                    "tolerations": [KWOK_TOLERATION],
-                    "containers": [{"name": "c", "image": "localhost/kwok:1"}],
-                },
-            },
-        )
+        admin.create_pod(settings.namespace, sentinel_pod(name, inst, "kwok", "not-in-any-ledger"))
         names.append(name)
     report = run_gc(provider)
     assert names[0] in report.foreign_pods and names[1] in report.unowned_pods
