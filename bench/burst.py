@@ -34,9 +34,8 @@ def main() -> int:
     stack_arguments(parser, rate=50.0, burst=10, waiters=128, release_timeout=900)
     args = parser.parse_args()
     tag = f"burst-{dt.datetime.now(dt.UTC):%m%d%H%M}"
-    h = Harness(args, tag)
     doc: dict[str, Any] = {"tag": tag, "args": vars(args), "readiness": "SIMULATED (kwok)"}
-    try:
+    with Harness(args, tag) as h:
         # Built and enqueued inside the timed second: pipelined publishes (kombu batches).
         t0 = time.time()
         reqs = [h.request(timeout=900) for _ in range(args.n)]
@@ -87,12 +86,8 @@ def main() -> int:
             f"worst excess {excess:+.2f}",
             flush=True,
         )
-        doc["release_wall_s"] = h.release_all(held, "release", [])
-        doc["leaks_after"] = h.leaks()
-        print(f"after teardown: {doc['leaks_after']}", flush=True)
+        h.release_and_check(held, doc)
         save("burst", doc)
-    finally:
-        h.close()
     return 0
 
 

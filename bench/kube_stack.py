@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bench.common import OUT, REPO, acquire_request, bench_env, kubeconfig_path, stop_services
-from bench.kwok import KWOK_SELECTOR, KWOK_TOLERATION
+from bench.kwok import ensure_kwok_job
 from bench.meter import Meter, cluster_pids
 from broker.names import Queue, Task
 
@@ -103,7 +103,6 @@ class Harness:
         os.environ.update(self.env)
         from broker.backends.kube.api import Kube, load_api_client
         from broker.client.sync import SandboxClient
-        from broker.ledger import store
         from broker.ledger.db import make_engine, make_session_factory
         from broker.local.stack import Stack, child_env, worker_argv
         from broker.settings import Settings
@@ -133,14 +132,8 @@ class Harness:
         self.client = SandboxClient(self.stack.redis_url, owner=f"bench-{tag}", heartbeat_s=3600)
         self.job = f"scale-{tag}"
         with self.sessions.begin() as session:
-            store.ensure_job(
-                session,
-                self.job,
-                node_selector=KWOK_SELECTOR,
-                tolerations=[KWOK_TOLERATION],
-                lease_s=86400.0,  # held without heartbeats: 12k heartbeat threads would not fit
-                readiness_budget_s=300.0,
-            )
+            # Held without heartbeats (12k heartbeat threads would not fit): a day's lease.
+            ensure_kwok_job(session, self.job, lease_s=86400.0, readiness_budget_s=300.0)
         time.sleep(2)
         pids = {
             "broker": [p.pid for p in self.stack.procs.values()] + [p.pid for p in self.extra],
@@ -307,6 +300,16 @@ class Harness:
                 return time.monotonic() - t0
             time.sleep(1.0)
 
+    def release_and_check(self, held: list[Any], doc: dict[str, Any]) -> None:
+        """The end of every run: release all, then the leak check; figures into ``doc``.
+
+        ``usage_total`` is taken before the leak check, whose GC pass is not the run's cost."""
+        print("releasing all ...", flush=True)
+        doc["release_wall_s"] = self.release_all(held, "release", [])
+        doc["usage_total"] = self.meter.totals()
+        doc["leaks_after"] = self.leaks()
+        print(f"after teardown: {doc['leaks_after']}", flush=True)
+
     def gc_pass(self) -> dict[str, Any]:
         from broker.backends.kube.backend import KubeBackend
         from broker.ownership.gc import run_gc
@@ -359,6 +362,12 @@ class Harness:
                 text("SELECT pg_database_size(current_database())")
             ).scalar()
         return out
+
+    def __enter__(self) -> Harness:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def close(self) -> None:
         with contextlib.suppress(Exception):

@@ -63,3 +63,12 @@ def plant_sentinels(admin: Any, namespace: str, installation: str, count: int) -
         admin.create_pod(namespace, sentinel_pod(name, inst, "campaign", f"sentinel{i}"))
         names.append(name)
     return names
+
+
+def ensure_kwok_job(session: Any, job: str, **options: Any) -> None:
+    """Create or update ``job`` with its pods pinned to kwok nodes (``options``: budgets etc.)."""
+    from broker.ledger import store
+
+    store.ensure_job(
+        session, job, node_selector=KWOK_SELECTOR, tolerations=[KWOK_TOLERATION], **options
+    )

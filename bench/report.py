@@ -254,6 +254,16 @@ def _plots(scale: dict | None, burst: dict | None, execd: dict | None) -> list[s
     return made
 
 
+def _table(*columns: str) -> list[str]:
+    """The head of a Markdown table."""
+    return ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+
+
+def _section(title: str, *columns: str, intro: str = "") -> list[str]:
+    """A heading, an optional paragraph, and the head of the section's table."""
+    return [f"## {title}", "", *([intro, ""] if intro else []), *_table(*columns)]
+
+
 def _lat(d: dict | None) -> str:
     if not d:
         return "n/a"
@@ -287,10 +297,12 @@ def phase_report(args: argparse.Namespace) -> None:
         leaks = scale.get("leaks_after") or {}
         ratio = scale["achieved_create_rate"] / bare["create_rate"] if bare else math.nan
         md += [
-            "## Scale run (kwok nodes, full stack, **simulated readiness**)",
-            "",
-            "| figure | value | baseline / reference |",
-            "|---|---|---|",
+            *_section(
+                "Scale run (kwok nodes, full stack, **simulated readiness**)",
+                "figure",
+                "value",
+                "baseline / reference",
+            ),
             f"| sandboxes held concurrently | **{scale['held_peak']}** | paper: 11,858 |",
             f"| acquire errors | {scale.get('error_count', 'see note')} | paper: 83 timeouts |",
             f"| target reached | {'yes' if scale['held_peak'] >= scale.get('args', {}).get('target', 12000) else '**no**'} | target {scale.get('args', {}).get('target', 12000)} |",
@@ -339,10 +351,7 @@ def phase_report(args: argparse.Namespace) -> None:
         figures["scale"] = {k: v for k, v in scale.items() if not k.startswith("hist_")}
     if burst:
         md += [
-            "## Burst run",
-            "",
-            "| figure | value | reference |",
-            "|---|---|---|",
+            *_section("Burst run", "figure", "value", "reference"),
             f"| acquires submitted | {burst['args']['n']} in {burst['submit_s']:.2f} s | |",
             f"| delivered / lost / errors | {burst['delivered']} / {burst['lost']} / "
             f"{burst['errors']} | lost must be 0 |",
@@ -363,15 +372,16 @@ def phase_report(args: argparse.Namespace) -> None:
     if replay:
         m, p = replay["measured"], replay["predicted"]
         md += [
-            "## Replay simulator vs the real broker",
-            "",
-            f"Trace `{Path(replay['trace']).name}` ({m['requests']} acquires), pools "
-            f"`{replay['policy']['warm']}`, idle timeout {replay['policy']['idle_timeout_s']:g} s, "
-            f"replayed in real time against the local backend; the simulator uses the run's "
-            f"own create-to-ready p50 ({replay['policy']['create_s']:.2f} s).",
-            "",
-            "| figure | predicted | measured |",
-            "|---|---|---|",
+            *_section(
+                "Replay simulator vs the real broker",
+                "figure",
+                "predicted",
+                "measured",
+                intro=f"Trace `{Path(replay['trace']).name}` ({m['requests']} acquires), pools "
+                f"`{replay['policy']['warm']}`, idle timeout {replay['policy']['idle_timeout_s']:g} s, "
+                f"replayed in real time against the local backend; the simulator uses the run's "
+                f"own create-to-ready p50 ({replay['policy']['create_s']:.2f} s).",
+            ),
             f"| warm-hit rate | {p['hit_rate']:.3f} | {m['hit_rate']:.3f} |",
             f"| creates | {p['creates']} | {m['creates']} |",
             f"| acquisition wait p50 | {_s(p['wait_p50_s'])} | {_s(m['wait_p50_s'])} |",
@@ -387,8 +397,7 @@ def phase_report(args: argparse.Namespace) -> None:
         md += [
             "Simulator-only sweep on the same trace (what an operator would do next):",
             "",
-            "| policy | hit rate | wait mean | creates | idle pod-h | total pod-h |",
-            "|---|---|---|---|---|---|",
+            *_table("policy", "hit rate", "wait mean", "creates", "idle pod-h", "total pod-h"),
         ]
         sweep = {}
         variants = [("as measured", {}), ("no pool", {"warm": {}})]
@@ -407,10 +416,14 @@ def phase_report(args: argparse.Namespace) -> None:
     if execd:
         e, r, w = execd["execd"], execd["raw_pipe"], execd["swerex"]
         md += [
-            "## execd vs raw pipe vs SWE-ReX (`echo hi` round trip)",
-            "",
-            "| path | p50 | p90 | p99 | vs raw pipe (p50) |",
-            "|---|---|---|---|---|",
+            *_section(
+                "execd vs raw pipe vs SWE-ReX (`echo hi` round trip)",
+                "path",
+                "p50",
+                "p90",
+                "p99",
+                "vs raw pipe (p50)",
+            ),
             f"| raw bash pipe (floor) | {_ms(r['p50'])} | {_ms(r['p90'])} | {_ms(r['p99'])} | 1x |",
             f"| execd (HTTP keep-alive) | {_ms(e['p50'])} | {_ms(e['p90'])} | {_ms(e['p99'])} | "
             f"{e['p50'] / r['p50']:.1f}x |",
@@ -423,10 +436,13 @@ def phase_report(args: argparse.Namespace) -> None:
         figures["execd"] = {k: v for k, v in execd.items() if not k.endswith("_s")}
     if broker:
         md += [
-            "## Warm hit vs cold acquire (bench/broker_bench.py --quick, local backend)",
-            "",
-            "| measurement | n | p50 | p99 |",
-            "|---|---|---|---|",
+            *_section(
+                "Warm hit vs cold acquire (bench/broker_bench.py --quick, local backend)",
+                "measurement",
+                "n",
+                "p50",
+                "p99",
+            ),
         ]
         for name, row in broker["rows"].items():
             md.append(f"| {name} | {row['n']} | {_ms(row['p50_s'])} | {_ms(row['p99_s'])} |")
@@ -440,12 +456,15 @@ def phase_report(args: argparse.Namespace) -> None:
         if not cold:
             continue
         md += [
-            "## Cold acquires on kwok: broker overhead vs API server and node "
-            f"(bench/cold_kwok.py, **simulated readiness**, pacing off; {how})",
-            "",
-            "| concurrency | trainer acquire p50 / p99 | API+node p50 / p99 | "
-            "broker overhead p50 / p99 | baseline: bare POST->Ready p50 / p99 |",
-            "|---|---|---|---|---|",
+            *_section(
+                "Cold acquires on kwok: broker overhead vs API server and node "
+                f"(bench/cold_kwok.py, **simulated readiness**, pacing off; {how})",
+                "concurrency",
+                "trainer acquire p50 / p99",
+                "API+node p50 / p99",
+                "broker overhead p50 / p99",
+                "baseline: bare POST->Ready p50 / p99",
+            ),
         ]
         for key in sorted((k for k in cold if k.startswith("c")), key=lambda k: int(k[1:])):
             row = cold[key]

@@ -106,14 +106,13 @@ def main() -> int:
     print(
         f"scale run {tag}: target {args.target}, pacer {args.rate}/s burst {args.burst}", flush=True
     )
-    h = Harness(args, tag)
     doc: dict[str, Any] = {
         "tag": tag,
         "args": vars(args),
         "readiness": "SIMULATED (kwok: no execd poll)",
     }
     series: list[dict[str, Any]] = []
-    try:
+    with Harness(args, tag) as h:
         print("bare API baseline ...", flush=True)
         doc["bare_api"] = bare_baseline(h.kube, h.settings.namespace, args.bare_n, 32, tag)
         print(f"bare API: {doc['bare_api']['create_rate']:.1f} creates/s", flush=True)
@@ -153,17 +152,10 @@ def main() -> int:
         doc["api_outcomes"] = h.api_outcomes()
         doc["progress"] = series
         save("scale", doc)  # the ramp's figures survive a teardown that fails
-        print("releasing all ...", flush=True)
-        rel_series: list[dict[str, Any]] = []
-        doc["release_wall_s"] = h.release_all(got["held"], "release", rel_series)
+        h.release_and_check(got["held"], doc)
         doc["release_rate"] = len(got["held"]) / doc["release_wall_s"]
-        doc["usage_total"] = h.meter.totals()
-        doc["leaks_after"] = h.leaks()
         doc["ledger"] = h.ledger_size()
-        print(f"after teardown: {doc['leaks_after']}", flush=True)
         save("scale", doc)
-    finally:
-        h.close()
     return 0
 
 

@@ -27,11 +27,10 @@ from typing import Any
 from sqlalchemy import func, select
 
 from bench.harness.faultproxy import FaultProxy, Rule
-from bench.kwok import KWOK_SELECTOR, KWOK_TOLERATION, plant_sentinels
+from bench.kwok import ensure_kwok_job, plant_sentinels
 from broker.backends.kube.api import Kube, load_api_client
 from broker.backends.kube.backend import KubeBackend
 from broker.errors import SandmanError
-from broker.ledger import store
 from broker.ledger.db import make_engine, make_session_factory
 from broker.ledger.models import Event, Sandbox
 from broker.ledger.states import State
@@ -218,14 +217,7 @@ def run_campaign(
     engine = make_engine(database_url, pool_size=2)
     sessions = make_session_factory(engine)
     with sessions.begin() as s:
-        store.ensure_job(
-            s,
-            "campaign",
-            node_selector=KWOK_SELECTOR,
-            tolerations=[KWOK_TOLERATION],
-            readiness_budget_s=20.0,
-            lease_s=120.0,
-        )
+        ensure_kwok_job(s, "campaign", readiness_budget_s=20.0, lease_s=120.0)
     sentinel_names: list[str] = []
     try:
         sentinel_names[:] = plant_sentinels(admin, namespace, installation, sentinels)

@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness.sysstack import FAULT_KINDS, JOB, Config, Stack, wait_for
-from bench.kwok import KWOK_IMAGE, KWOK_SELECTOR, KWOK_TOLERATION, plant_sentinels
+from bench.kwok import KWOK_IMAGE, ensure_kwok_job, plant_sentinels
 from broker.names import Queue
 
 __all__ = ["FAULT_KINDS", "Config", "Result", "run", "trainer_main"]
@@ -230,7 +230,6 @@ def run(cfg: Config, progress: Callable[[str], None] = lambda s: None) -> Result
     from bench.harness.faultproxy import FaultProxy, Rule
     from broker.backends.kube.api import Kube, load_api_client
     from broker.backends.kube.backend import KubeBackend
-    from broker.ledger import store
     from broker.ledger.db import make_engine, make_session_factory
     from broker.ownership.gc import run_gc
     from broker.ownership.provider import Provider
@@ -250,14 +249,7 @@ def run(cfg: Config, progress: Callable[[str], None] = lambda s: None) -> Result
         engine = make_engine(stack.database_url, pool_size=2)
         sessions = make_session_factory(engine)
         with sessions.begin() as s:
-            store.ensure_job(
-                s,
-                JOB,
-                node_selector=KWOK_SELECTOR,
-                tolerations=[KWOK_TOLERATION],
-                readiness_budget_s=cfg.readiness_budget_s,
-                lease_s=cfg.lease_s,
-            )
+            ensure_kwok_job(s, JOB, readiness_budget_s=cfg.readiness_budget_s, lease_s=cfg.lease_s)
         sentinels = set(plant_sentinels(admin, stack.namespace, stack.installation, cfg.sentinels))
         for name in ("worker-acquire", "worker-control", "beat"):
             stack.spawn(name)

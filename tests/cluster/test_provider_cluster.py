@@ -13,7 +13,7 @@ import pytest
 from sqlalchemy import select
 
 from bench.harness.faultproxy import FaultProxy, Rule
-from bench.kwok import sentinel_pod
+from bench.kwok import ensure_kwok_job, sentinel_pod
 from broker.backends.kube.api import Kube, load_api_client
 from broker.backends.kube.backend import KubeBackend
 from broker.backends.kube.podspec import owner_name
@@ -27,8 +27,6 @@ from broker.settings import Settings
 from broker.wire.execd import execd_answers
 from broker.wire.types import AcquireSpec
 from tests.cluster.conftest import (
-    KWOK_NODE_SELECTOR,
-    KWOK_TOLERATION,
     REAL_NODE_SELECTOR,
     TASK_BASE_IMAGE,
     wait_until,
@@ -52,13 +50,7 @@ def settings(kubeconfig_path, namespace, tmp_path):
 @pytest.fixture
 def provider(settings, sessions):
     with sessions.begin() as s:
-        store.ensure_job(
-            s,
-            "kwok",
-            node_selector=KWOK_NODE_SELECTOR,
-            tolerations=[KWOK_TOLERATION],
-            readiness_budget_s=60.0,
-        )
+        ensure_kwok_job(s, "kwok", readiness_budget_s=60.0)
         store.ensure_job(s, "real", node_selector=REAL_NODE_SELECTOR, readiness_budget_s=120.0)
     return Provider(settings, sessions, KubeBackend.from_settings(settings))
 
