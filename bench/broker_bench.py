@@ -20,25 +20,22 @@ import secrets
 import sys
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import (
+    achieved_rate,
+    acquire_request,
+    ms,
+    pacing_windows,
+    pct,
+    run_threads,
+)
 from broker.names import Queue, Task
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
 IMAGE = "sandman/bench-task:1"
-
-
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))] if values else 0.0
-
-
-def ms(v: float) -> str:
-    return f"{v * 1000:8.2f} ms"
+LIVE = ("requested", "creating", "ready", "releasing")
 
 
 def line(name: str, values: list[float], baseline: str = "") -> None:
@@ -46,24 +43,6 @@ def line(name: str, values: list[float], baseline: str = "") -> None:
         f"{name:<28} n={len(values):<4} p50={ms(pct(values, 50))} p99={ms(pct(values, 99))}"
         f"  {baseline}"
     )
-
-
-def run_threads(n_threads: int, per_thread: int, fn: Callable[[], Any]) -> list[Any]:
-    out: list[Any] = []
-    lock = threading.Lock()
-
-    def body() -> None:
-        for _ in range(per_thread):
-            value = fn()
-            with lock:
-                out.append(value)
-
-    threads = [threading.Thread(target=body) for _ in range(n_threads)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return out
 
 
 def main() -> int:
@@ -106,6 +85,19 @@ def main() -> int:
     client = SandboxClient(stack.redis_url, owner="bench", heartbeat_s=3600)
     bare = redis.Redis.from_url(stack.redis_url)
     tag = secrets.token_hex(2)
+
+    def drained(job_like: str, timeout: float = 120) -> None:
+        """Wait until the previous phase's sandboxes are gone: no CPU stolen from the next."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with sessions() as session:
+                left = session.scalars(
+                    select(Sandbox.id).where(Sandbox.job.like(job_like), Sandbox.state.in_(LIVE))
+                ).all()
+            if not left:
+                return
+            time.sleep(0.5)
+
     try:
         # -- baselines ---------------------------------------------------------------
         rtt = []
@@ -171,22 +163,18 @@ def main() -> int:
 
             for conc, per in counts.items():
                 fill()
-                held: list[Any] = []
-
-                def hit(held: list[Any] = held) -> float:
-                    sb = client.open(
+                held = run_threads(
+                    conc,
+                    per,
+                    lambda: client.open(
                         image=IMAGE, cpu=f"{cpu_m}m", memory=mem, job=warm_job, timeout=60
-                    )
-                    held.append(sb)
-                    return sb.acquire_s if sb.lease.warm else float("nan")
-
-                values = run_threads(conc, per, hit)
-                hits = [v for v in values if v == v]
+                    ),
+                )
+                hits = [sb.acquire_s for sb in held if sb.lease.warm]
                 line(
                     f"warm hit c={conc}",
                     hits,
-                    f"vs Redis RTT p50 {ms(pct(rtt, 50)).strip()}; "
-                    f"misses {len(values) - len(hits)}",
+                    f"vs Redis RTT p50 {ms(pct(rtt, 50)).strip()}; misses {len(held) - len(hits)}",
                 )
                 for sb in held:
                     sb.release()
@@ -194,22 +182,7 @@ def main() -> int:
                 store.ensure_job(session, warm_job, warm_pools=[])
             client.send(Task.POOL_UPKEEP, [], Queue.POOL)
 
-        def drained(prefix: str) -> None:
-            """Wait until the previous phase's sandboxes are gone: no CPU stolen from the next."""
-            deadline = time.monotonic() + 120
-            while time.monotonic() < deadline:
-                with sessions() as session:
-                    left = session.scalars(
-                        select(Sandbox.id).where(
-                            Sandbox.job.like(f"{prefix}-{tag}"),
-                            Sandbox.state.in_(("requested", "creating", "ready", "releasing")),
-                        )
-                    ).all()
-                if not left:
-                    return
-                time.sleep(0.5)
-
-        drained("bench-warm")
+        drained(f"bench-warm-{tag}")
         # -- cold acquires -----------------------------------------------------------
         if "cold" in phases:
             cold_job = f"bench-cold-{tag}"
@@ -217,26 +190,23 @@ def main() -> int:
                 store.ensure_job(session, cold_job)
             cold_counts = {1: 10, 10: 3, 100: 1} if not args.quick else {1: 5, 10: 1, 100: 1}
             for conc, per in cold_counts.items():
-                held = []
-
-                def cold(held: list[Any] = held) -> float:
-                    sb = client.open(
+                held = run_threads(
+                    conc,
+                    per,
+                    lambda: client.open(
                         image=IMAGE, cpu="500m", memory="256Mi", job=cold_job, timeout=300
-                    )
-                    held.append(sb)
-                    return sb.acquire_s
-
-                values = run_threads(conc, per, cold)
+                    ),
+                )
                 line(
                     f"cold acquire c={conc}",
-                    values,
+                    [sb.acquire_s for sb in held],
                     f"vs bare create p50 {ms(pct(bare_create, 50)).strip()}",
                 )
                 for sb in held:
                     sb.release()
                 time.sleep(1.0)
 
-        drained("bench-cold")
+        drained(f"bench-cold-{tag}")
         # -- pacing accuracy ---------------------------------------------------------
         if "pace" in phases:
             rate, burst = args.pace_rate, args.pace_burst
@@ -244,27 +214,13 @@ def main() -> int:
             with sessions.begin() as session:
                 store.ensure_job(session, pace_job, create_rate=rate, create_burst=burst)
             n = int(rate * args.duration + burst)
-            from broker.wire.request import request_body
-
             requests = [
-                request_body(
-                    image=IMAGE,
-                    cpu="100m",
-                    memory="64Mi",
-                    job=pace_job,
-                    role="rollout",
-                    image_digest=None,
-                    base_commit=None,
-                    workdir="/",
-                    env=None,
-                    owner="bench",
-                    timeout=args.duration + 120,
-                )
+                acquire_request(IMAGE, "100m", "64Mi", pace_job, "bench", args.duration + 120)
                 for _ in range(n)
             ]
             t0 = time.perf_counter()
             for request in requests:  # the whole burst is in the queue within milliseconds
-                client.send(Task.ACQUIRE, [request], "acquire")
+                client.send(Task.ACQUIRE, [request], Queue.ACQUIRE)
             pending = list(requests)
 
             def paced() -> None:
@@ -280,18 +236,8 @@ def main() -> int:
                     if r.creating_at
                 )
             span = stamps[-1] - stamps[0]
-            achieved = (len(stamps) - burst) / span if span > 0 else float("nan")
-            worst = 0.0
-            j = 0
-            for i in range(len(stamps)):  # largest count in any 1-second window
-                while j < len(stamps) and stamps[j] - stamps[i] <= 1.0:
-                    j += 1
-                worst = max(worst, j - i)
-            excess = max(
-                (j - i + 1) - (rate * (stamps[j] - stamps[i]) + burst)
-                for i in range(len(stamps))
-                for j in range(i, min(len(stamps), i + 3 * burst + 60))
-            )
+            achieved = achieved_rate(stamps, burst)
+            worst, excess = pacing_windows(stamps, rate, burst)
             print(
                 f"{'pacing accuracy':<28} {n} acquires enqueued at once, configured {rate:g}/s "
                 f"burst {burst}: achieved {achieved:.3f}/s ({(achieved / rate - 1) * 100:+.2f}%) "
@@ -301,7 +247,7 @@ def main() -> int:
             )
             time.sleep(1.0)
 
-        drained("bench-pace")
+        drained(f"bench-pace-{tag}")
         # -- throughput with pacing off -------------------------------------------------
         if "throughput" in phases:
             tp_job = f"bench-tp-{tag}"
@@ -336,18 +282,7 @@ def main() -> int:
         return 0
     finally:
         client.close()
-        deadline = time.monotonic() + 60
-        live = ("requested", "creating", "ready", "releasing")
-        while time.monotonic() < deadline:
-            with sessions() as session:
-                left = session.scalars(
-                    select(Sandbox.id).where(
-                        Sandbox.job.like(f"bench-%-{tag}"), Sandbox.state.in_(live)
-                    )
-                ).all()
-            if not left:
-                break
-            time.sleep(0.5)
+        drained(f"bench-%-{tag}", timeout=60)
         stack.stop()
 
 

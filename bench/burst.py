@@ -15,87 +15,46 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
+import queue
 import sys
-import threading
 import time
+from pathlib import Path
 from typing import Any
 
-from scale import OUT, Harness, achieved_rate, rate_series, summary
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-
-def windows(stamps: list[float], rate: float, burst: int) -> tuple[int, float]:
-    s = sorted(stamps)
-    worst, j = 0, 0
-    for i in range(len(s)):
-        while j < len(s) and s[j] - s[i] < 1.0:
-            j += 1
-        worst = max(worst, j - i)
-    excess = max(
-        (b - a + 1) - (rate * (s[b] - s[a]) + burst)
-        for a in range(len(s))
-        for b in range(a, min(len(s), a + 4 * burst + 200))
-    )
-    return worst, excess
+from bench.common import achieved_rate, pacing_windows, rate_series, save, summary
+from bench.kube_stack import Harness, column, stack_arguments
+from broker.names import Queue, Task
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--n", type=int, default=1000)
-    parser.add_argument("--rate", type=float, default=50.0)
-    parser.add_argument("--burst", type=int, default=10)
-    parser.add_argument("--max-concurrent", type=int, default=256)
-    parser.add_argument("--waiters", type=int, default=128)
-    parser.add_argument("--extra-acquire-workers", type=int, default=0)
-    parser.add_argument("--extra-release-workers", type=int, default=0)
-    parser.add_argument("--release-timeout", type=float, default=900)
-    parser.add_argument("--keep-namespace", action="store_true")
+    stack_arguments(parser, rate=50.0, burst=10, waiters=128, release_timeout=900)
     args = parser.parse_args()
     tag = f"burst-{dt.datetime.now(dt.UTC):%m%d%H%M}"
-    h = Harness(args, tag)
     doc: dict[str, Any] = {"tag": tag, "args": vars(args), "readiness": "SIMULATED (kwok)"}
-    try:
+    with Harness(args, tag) as h:
         # Built and enqueued inside the timed second: pipelined publishes (kombu batches).
         t0 = time.time()
         reqs = [h.request(timeout=900) for _ in range(args.n)]
-        h.client.send_many("sandman.acquire", [[r] for r in reqs], "acquire")
+        h.client.send_many(Task.ACQUIRE, [[r] for r in reqs], Queue.ACQUIRE)
         doc["submit_s"] = time.time() - t0
         print(f"{args.n} acquires enqueued in {doc['submit_s']:.3f}s", flush=True)
-        held: list[Any] = []
-        errors: list[str] = []
-        lat: list[float] = []
-        lock = threading.Lock()
+        todo: queue.SimpleQueue[dict[str, Any] | None] = queue.SimpleQueue()
+        for req in reqs:
+            todo.put(req)
+        got = h.collect(todo, args.waiters)
+        for _ in got.threads:
+            todo.put(None)
         series: list[dict[str, Any]] = []
-        tick = h.progress_printer("burst", series)
-        it = iter(reqs)
-
-        def waiter() -> None:
-            while True:
-                with lock:
-                    req = next(it, None)
-                if req is None:
-                    return
-                try:
-                    sb = h.client._wait(req)
-                except Exception as exc:
-                    with lock:
-                        errors.append(f"{type(exc).__name__}: {exc}"[:300])
-                    continue
-                with lock:
-                    held.append(sb)
-                    lat.append(sb.acquire_s)
-
-        threads = [threading.Thread(target=waiter, daemon=True) for _ in range(args.waiters)]
-        for t in threads:
-            t.start()
-        mono0 = time.monotonic()
-        while any(t.is_alive() for t in threads):
-            tick(args.n, len(held), len(errors), mono0)
-            time.sleep(0.5)
+        h.wait_collected(got, args.n, time.monotonic(), h.progress_printer("burst", series))
+        held, errors = got.held, got.errors
         doc["wall_s"] = time.time() - t0
         rows = h.ledger_rows()
-        stamps = [r["creating_at"] for r in rows if r["creating_at"]]
-        worst, excess = windows(stamps, args.rate, args.burst)
+        stamps = column(rows, "creating_at")
+        worst, excess = pacing_windows(stamps, args.rate, args.burst)
         outcomes = h.api_outcomes()
         doc.update(
             delivered=len(held),
@@ -114,13 +73,9 @@ def main() -> int:
             limit_1s=args.rate + args.burst,
             worst_excess=excess,
             create_rate_series=rate_series(stamps, t0, 1.0),
-            client_acquire_s=summary(lat),
-            create_to_ready_s=summary(
-                [r["create_to_ready_s"] for r in rows if r["create_to_ready_s"] is not None]
-            ),
-            acquire_latency_s=summary(
-                [r["acquire_latency_s"] for r in rows if r["acquire_latency_s"] is not None]
-            ),
+            client_acquire_s=summary(got.latency_s),
+            create_to_ready_s=summary(column(rows, "create_to_ready_s")),
+            acquire_latency_s=summary(column(rows, "acquire_latency_s")),
             usage=h.meter.totals(),
             progress=series,
         )
@@ -131,14 +86,8 @@ def main() -> int:
             f"worst excess {excess:+.2f}",
             flush=True,
         )
-        doc["release_wall_s"] = h.release_all(held, "release", [])
-        doc["leaks_after"] = h.leaks()
-        print(f"after teardown: {doc['leaks_after']}", flush=True)
-        OUT.mkdir(parents=True, exist_ok=True)
-        (OUT / "burst.json").write_text(json.dumps(doc, indent=1, default=str))
-        print(f"wrote {OUT / 'burst.json'}", flush=True)
-    finally:
-        h.close()
+        h.release_and_check(held, doc)
+        save("burst", doc)
     return 0
 
 

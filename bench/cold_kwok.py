@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as dt
-import json
 import os
 import sys
 import threading
@@ -34,10 +33,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.scale import CPU, IMAGE, MEMORY, OUT, Harness, bare_pod, summary  # noqa: E402
+from bench.common import run_threads, save, summary
+from bench.kube_stack import Harness, stack_arguments
+from bench.meter import cluster_pids, read_pid
+from bench.scale import bare_pod
 
 
 def bare_create_to_ready(h: Harness, n: int, conc: int, tag: str) -> list[float]:
@@ -45,36 +46,26 @@ def bare_create_to_ready(h: Harness, n: int, conc: int, tag: str) -> list[float]
     from broker.backends.kube.backend import pod_info
 
     ns = h.settings.namespace
-    names = [f"bare-{tag}-{conc}-{i}" for i in range(n)]
-    out: list[float] = []
+    names = iter([f"bare-{tag}-{conc}-{i}" for i in range(n)])
     lock = threading.Lock()
-    it = iter(names)
 
-    def worker() -> None:
-        while True:
-            with lock:
-                name = next(it, None)
-            if name is None:
-                return
-            t0 = time.perf_counter()
-            created = h.kube.create_pod(ns, bare_pod(name, ns, tag))
-            version = created["metadata"]["resourceVersion"]
-            for _kind, obj in h.kube.watch_pods(
-                ns, field_selector=f"metadata.name={name}", resource_version=version, timeout_s=60
-            ):
-                if pod_info(obj, 0).ready:
-                    break
-            with lock:
-                out.append(time.perf_counter() - t0)
+    def one() -> tuple[str, float]:
+        with lock:
+            name = next(names)
+        t0 = time.perf_counter()
+        created = h.kube.create_pod(ns, bare_pod(name, ns, tag))
+        version = created["metadata"]["resourceVersion"]
+        for _kind, obj in h.kube.watch_pods(
+            ns, field_selector=f"metadata.name={name}", resource_version=version, timeout_s=60
+        ):
+            if pod_info(obj, 0).ready:
+                break
+        return name, time.perf_counter() - t0
 
-    threads = [threading.Thread(target=worker) for _ in range(conc)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    for name in names:
+    done = run_threads(conc, n // conc, one)
+    for name, _ in done:
         h.kube.delete_pod(ns, name, uid=None)
-    return out
+    return [seconds for _, seconds in done]
 
 
 def _children_map() -> dict[int, list[int]]:
@@ -121,18 +112,10 @@ def isolate(h: Harness) -> dict[int, set[int]]:
     and how a real deployment runs (control plane on other machines)."""
     cpus = sorted(os.sched_getaffinity(0))
     control, broker_cpus = {cpus[-1]}, set(cpus[:-1])
-    cluster = Path(
-        os.environ.get("SANDMAN_CLUSTER_STATE", Path.home() / ".local/state/sandman/cluster")
-    )
-    plane = []
-    for pidfile in (cluster / "pids").glob("*.pid"):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            plane.append(int(pidfile.read_text().split()[0]))
+    plane = [pid for pids in cluster_pids(None).values() for pid in pids]
     state = Path(h.settings.state_dir)
-    roots = [os.getpid()]
-    for pidfile in (state / "postgres" / "data" / "postmaster.pid", state / "redis" / "redis.pid"):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            roots.append(int(pidfile.read_text().split()[0]))
+    services = (state / "postgres" / "data" / "postmaster.pid", state / "redis" / "redis.pid")
+    roots = [os.getpid(), *(pid for f in services if (pid := read_pid(f)) is not None)]
     saved: dict[int, set[int]] = {}
     _pin(_with_descendants(plane), control, saved)
     _pin(_with_descendants(roots), broker_cpus, saved)
@@ -153,11 +136,6 @@ def restore(saved: dict[int, set[int]]) -> None:
                 os.sched_setaffinity(int(task.name), everything)
 
 
-def acquire(h: Harness) -> Any:
-    """One cold acquire of the smallest pod kwok accepts, through the trainer client."""
-    return h.client.open(image=IMAGE, cpu=CPU, memory=MEMORY, job=h.job, timeout=300)
-
-
 def ready_api_s(h: Harness, sandbox_ids: list[str]) -> dict[str, float]:
     from sqlalchemy import select
 
@@ -176,12 +154,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--per", type=int, default=20, help="acquires per thread at c=1, 10")
     parser.add_argument("--concurrency", default="1,10,100")
-    parser.add_argument("--rate", type=float, default=1000.0)
-    parser.add_argument("--burst", type=int, default=1000)
-    parser.add_argument("--max-concurrent", type=int, default=256)
-    parser.add_argument("--extra-acquire-workers", type=int, default=1)
-    parser.add_argument("--release-timeout", type=float, default=600)
-    parser.add_argument("--keep-namespace", action="store_true")
+    stack_arguments(
+        parser, rate=1000.0, burst=1000, waiters=1, release_timeout=600, extra_acquire_workers=1
+    )
     parser.add_argument(
         "--isolate-cpus",
         action="store_true",
@@ -201,32 +176,13 @@ def main() -> int:
             saved = isolate(h)
         # Warm up: first creates pay for connection pools, configmaps and the owner object.
         for _ in range(3):
-            acquire(h).release()
+            h.open().release()
         print(f"{'':28} {'p50':>9} {'p99':>9}   (ms)", flush=True)
         for conc in [int(c) for c in args.concurrency.split(",")]:
             per = args.per if conc < 100 else 1
             bare = bare_create_to_ready(h, conc * per, conc, tag)
-            lat: list[float] = []
-            held: list[Any] = []
-            lock = threading.Lock()
-
-            def trainer(
-                per: int = per,
-                lat: list[float] = lat,
-                held: list[Any] = held,
-                lock: threading.Lock = lock,
-            ) -> None:
-                for _ in range(per):
-                    sb = acquire(h)
-                    with lock:
-                        lat.append(sb.acquire_s)
-                        held.append(sb)
-
-            threads = [threading.Thread(target=trainer) for _ in range(conc)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
+            held: list[Any] = run_threads(conc, per, h.open)
+            lat = [sb.acquire_s for sb in held]
             api = ready_api_s(h, [sb.id for sb in held])
             overhead = [sb.acquire_s - api[sb.id] for sb in held if sb.id in api]
             for sb in held:
@@ -250,10 +206,7 @@ def main() -> int:
                     flush=True,
                 )
             h.release_all([], f"drain c={conc}", [])
-        OUT.mkdir(parents=True, exist_ok=True)
-        name = "cold_kwok_isolated.json" if args.isolate_cpus else "cold_kwok.json"
-        (OUT / name).write_text(json.dumps(doc, indent=1, default=str))
-        print(f"wrote {OUT / name}", flush=True)
+        save("cold_kwok_isolated" if args.isolate_cpus else "cold_kwok", doc)
     finally:
         restore(saved)
         h.close()

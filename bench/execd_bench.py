@@ -29,21 +29,13 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
 
-
-def pct(samples, q):
-    s = sorted(samples)
-    return s[min(len(s) - 1, int(q * len(s)))]
+from bench.common import free_port, pct  # noqa: E402
 
 
 def fmt(samples):
-    return f"p50 {pct(samples, 0.5) * 1e3:8.3f} ms   p99 {pct(samples, 0.99) * 1e3:8.3f} ms"
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return f"p50 {pct(samples, 50) * 1e3:8.3f} ms   p99 {pct(samples, 99) * 1e3:8.3f} ms"
 
 
 def wait_port(port, timeout=30.0):
@@ -260,13 +252,13 @@ def main():
         else:
             print(f"  swerex-remote            not measured: {why}")
         print(
-            f"  ratio execd / raw pipe   p50 {pct(ex, 0.5) / pct(raw, 0.5):6.1f}x   "
-            f"p99 {pct(ex, 0.99) / pct(raw, 0.99):6.1f}x"
+            f"  ratio execd / raw pipe   p50 {pct(ex, 50) / pct(raw, 50):6.1f}x   "
+            f"p99 {pct(ex, 99) / pct(raw, 99):6.1f}x"
         )
         if sw:
             print(
-                f"  ratio swerex / execd     p50 {pct(sw, 0.5) / pct(ex, 0.5):6.1f}x   "
-                f"p99 {pct(sw, 0.99) / pct(ex, 0.99):6.1f}x"
+                f"  ratio swerex / execd     p50 {pct(sw, 50) / pct(ex, 50):6.1f}x   "
+                f"p99 {pct(sw, 99) / pct(ex, 99):6.1f}x"
             )
         print(
             f"  CPU per call             execd {d.cpu_per_call[0] * 1e6:6.0f} us   "

@@ -9,13 +9,15 @@ embedded services (sandman services up). Exits non-zero when any invariant is vi
 from __future__ import annotations
 
 import argparse
-import os
 import secrets
 import sys
 from pathlib import Path
 
 import psycopg
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import kubeconfig_path
 from bench.harness.campaign import main_json, run_campaign
 from broker.ledger.migrate import upgrade
 from broker.local.services import ensure_services
@@ -30,9 +32,7 @@ def main() -> int:
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args()
     settings = Settings.from_env()
-    kubeconfig = os.environ.get("SANDMAN_TEST_KUBECONFIG") or str(
-        settings.state_dir / "cluster" / "kubeconfig"
-    )
+    kubeconfig = kubeconfig_path()
     urls = ensure_services(settings)
     name = f"sandman_campaign_{secrets.token_hex(4)}"
     admin = urls.database_url.replace("+psycopg", "").rsplit("/", 1)[0] + "/postgres"

@@ -17,10 +17,8 @@ from __future__ import annotations
 import argparse
 import atexit
 import json
-import math
 import os
 import secrets
-import socket
 import sys
 import tempfile
 import threading
@@ -29,34 +27,12 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import bench_env, free_port, pct, stop_services
+from bench.meter import rss_mb
+
 IMAGE = "sandman/load-task:1"
-
-
-def pct(values: list[float], q: float) -> float:
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def rss_mb(pids: list[int]) -> float:
-    total = 0
-    for pid in pids:
-        try:
-            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-                if line.startswith("VmRSS"):
-                    total += int(line.split()[1])
-        except OSError:
-            pass
-    return total / 1024
 
 
 def main() -> int:
@@ -70,28 +46,27 @@ def main() -> int:
 
     state = Path(tempfile.mkdtemp(prefix="sandman-load-"))
     os.environ.update(
-        SANDMAN_STATE_DIR=str(state),
-        SANDMAN_EMBEDDED_PG_PORT=str(free_port()),
-        SANDMAN_EMBEDDED_REDIS_PORT=str(free_port()),
-        SANDMAN_DATABASE_URL="",
-        SANDMAN_REDIS_URL="",
-        SANDMAN_BACKEND="local",
-        SANDMAN_INSTALLATION_ID=f"load-{secrets.token_hex(3)}",
-        SANDMAN_CREATE_RATE="1000",
-        SANDMAN_CREATE_BURST="1000",
-        SANDMAN_GC_INTERVAL_S="3600",
-        SANDMAN_LOG_LEVEL="WARNING",
+        bench_env(
+            state,
+            pg_port=free_port(),
+            redis_port=free_port(),
+            backend="local",
+            installation=f"load-{secrets.token_hex(3)}",
+            SANDMAN_CREATE_RATE="1000",
+            SANDMAN_CREATE_BURST="1000",
+            SANDMAN_GC_INTERVAL_S="3600",
+            SANDMAN_LOG_LEVEL="WARNING",
+        )
     )
     from sqlalchemy import func, select
 
-    from broker.acquire.service import make_backend
+    from broker.backends.factory import make_backend
     from broker.client.sync import SandboxClient
     from broker.errors import SandmanError, ServiceUnavailable
     from broker.ledger import store
     from broker.ledger.db import make_engine, make_session_factory
     from broker.ledger.models import Sandbox
     from broker.ledger.states import State
-    from broker.local.services import stop_postgres, stop_redis
     from broker.local.stack import Stack
     from broker.ownership.gc import run_gc
     from broker.settings import Settings
@@ -101,8 +76,7 @@ def main() -> int:
 
     def cleanup() -> None:  # also after a crash: never leave our services running
         stack.stop()
-        stop_redis(settings)
-        stop_postgres(settings)
+        stop_services(settings)
 
     atexit.register(cleanup)
     print(f"starting the stack in {state} ...", file=sys.stderr, flush=True)

@@ -19,7 +19,6 @@ touch a `sandman up` running on the default state dir.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import os
@@ -30,53 +29,19 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-OUT = REPO / "bench" / "out"
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import OUT, REPO, bench_env, load, save, stop_services, summary
 
 
 def local_env() -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(
-        SANDMAN_STATE_DIR=str(OUT / "state-local"),
-        SANDMAN_EMBEDDED_PG_PORT="25432",
-        SANDMAN_EMBEDDED_REDIS_PORT="26379",
-        SANDMAN_BACKEND="local",
-        SANDMAN_DATABASE_URL="",
-        SANDMAN_REDIS_URL="",
-        SANDMAN_INSTALLATION_ID="sandman-bench-local",
+    return bench_env(
+        OUT / "state-local",
+        pg_port=25432,
+        redis_port=26379,
+        backend="local",
+        installation="sandman-bench-local",
     )
-    return env
-
-
-def pct(values: list[float], q: float) -> float:
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
-
-
-def summary(values: list[float]) -> dict[str, float]:
-    return {
-        "n": len(values),
-        "p50": pct(values, 50),
-        "p90": pct(values, 90),
-        "p99": pct(values, 99),
-        "max": max(values) if values else math.nan,
-    }
-
-
-def save(name: str, doc: dict[str, Any]) -> Path:
-    OUT.mkdir(parents=True, exist_ok=True)
-    path = OUT / f"{name}.json"
-    path.write_text(json.dumps(doc, indent=2, default=str))
-    print(f"wrote {path}", flush=True)
-    return path
-
-
-def load(name: str) -> dict[str, Any] | None:
-    path = OUT / f"{name}.json"
-    return json.loads(path.read_text()) if path.exists() else None
 
 
 # -- replay: simulator vs the real broker ---------------------------------------------------
@@ -86,7 +51,6 @@ def phase_replay(args: argparse.Namespace) -> None:
     os.environ.update(local_env())
     from broker.client.sync import SandboxClient
     from broker.ledger.db import make_engine, make_session_factory
-    from broker.local.services import stop_postgres, stop_redis
     from broker.local.stack import Stack
     from broker.replay import Policy, write_trace
     from broker.replay.validate import drive, synthetic_trace
@@ -127,8 +91,7 @@ def phase_replay(args: argparse.Namespace) -> None:
         client.close()
         engine.dispose()
         stack.stop()
-        stop_postgres(settings)
-        stop_redis(settings)
+        stop_services(settings)
 
 
 # -- execd vs raw pipe vs SWE-ReX --------------------------------------------------------------
@@ -138,10 +101,8 @@ def phase_execd(args: argparse.Namespace) -> None:
     import shutil
     import tempfile
 
-    spec = importlib.util.spec_from_file_location("execd_bench", REPO / "bench" / "execd_bench.py")
-    assert spec and spec.loader
-    eb = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(eb)
+    from bench import execd_bench as eb
+
     tmp = Path(tempfile.mkdtemp(prefix="report-execd-"))
     d = eb.Execd(sys.executable, tmp)
     try:
@@ -209,12 +170,9 @@ def phase_broker(args: argparse.Namespace) -> None:
             "wall_s": time.monotonic() - started,
         },
     )
-    from broker.local.services import stop_postgres, stop_redis
     from broker.settings import Settings
 
-    settings = Settings.from_env(local_env())
-    stop_postgres(settings)
-    stop_redis(settings)
+    stop_services(Settings.from_env(local_env()))
 
 
 # -- the report --------------------------------------------------------------------------------
@@ -234,17 +192,21 @@ def _plots(scale: dict | None, burst: dict | None, execd: dict | None) -> list[s
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    made = []
+    made: list[str] = []
+
+    def done(fig: Any, name: str) -> None:
+        fig.tight_layout()
+        fig.savefig(OUT / name, dpi=90)
+        plt.close(fig)
+        made.append(name)
+
     if scale and scale.get("hist_create_to_ready"):
         fig, axes = plt.subplots(1, 2, figsize=(11, 4))
         axes[0].hist(scale["hist_create_to_ready"], bins=60, color="#3b7dd8")
         axes[0].set(title="create-to-Ready (kwok, simulated readiness)", xlabel="s", ylabel="pods")
         axes[1].hist(scale["hist_acquire"], bins=60, color="#d8793b")
         axes[1].set(title="queue-inclusive acquisition", xlabel="s")
-        fig.tight_layout()
-        fig.savefig(OUT / "scale_latency_hist.png", dpi=90)
-        plt.close(fig)
-        made.append("scale_latency_hist.png")
+        done(fig, "scale_latency_hist.png")
     if scale and scale.get("live_series"):
         fig, ax = plt.subplots(figsize=(11, 4))
         t, live = zip(*scale["live_series"], strict=True)
@@ -258,10 +220,7 @@ def _plots(scale: dict | None, burst: dict | None, execd: dict | None) -> list[s
         ax2.axhline(scale["pacer_rate"], color="#d8793b", ls=":", label="pacer setting")
         ax2.set(ylabel="creates/s")
         fig.legend(loc="upper left")
-        fig.tight_layout()
-        fig.savefig(OUT / "scale_ramp.png", dpi=90)
-        plt.close(fig)
-        made.append("scale_ramp.png")
+        done(fig, "scale_ramp.png")
     if burst and burst.get("create_rate_series"):
         fig, ax = plt.subplots(figsize=(11, 3.5))
         bt, br = zip(*burst["create_rate_series"], strict=True)
@@ -273,10 +232,7 @@ def _plots(scale: dict | None, burst: dict | None, execd: dict | None) -> list[s
             title=f"{burst['args']['n']} acquires submitted in {burst['submit_s']:.2f}s",
         )
         ax.legend()
-        fig.tight_layout()
-        fig.savefig(OUT / "burst_rate.png", dpi=90)
-        plt.close(fig)
-        made.append("burst_rate.png")
+        done(fig, "burst_rate.png")
     if execd:
         fig, ax = plt.subplots(figsize=(11, 3.5))
         import numpy as np
@@ -294,11 +250,18 @@ def _plots(scale: dict | None, burst: dict | None, execd: dict | None) -> list[s
         ax.set_xscale("log")
         ax.set(xlabel="echo hi round trip (s, log)", ylabel="calls")
         ax.legend()
-        fig.tight_layout()
-        fig.savefig(OUT / "execd_hist.png", dpi=90)
-        plt.close(fig)
-        made.append("execd_hist.png")
+        done(fig, "execd_hist.png")
     return made
+
+
+def _table(*columns: str) -> list[str]:
+    """The head of a Markdown table."""
+    return ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+
+
+def _section(title: str, *columns: str, intro: str = "") -> list[str]:
+    """A heading, an optional paragraph, and the head of the section's table."""
+    return [f"## {title}", "", *([intro, ""] if intro else []), *_table(*columns)]
 
 
 def _lat(d: dict | None) -> str:
@@ -334,10 +297,12 @@ def phase_report(args: argparse.Namespace) -> None:
         leaks = scale.get("leaks_after") or {}
         ratio = scale["achieved_create_rate"] / bare["create_rate"] if bare else math.nan
         md += [
-            "## Scale run (kwok nodes, full stack, **simulated readiness**)",
-            "",
-            "| figure | value | baseline / reference |",
-            "|---|---|---|",
+            *_section(
+                "Scale run (kwok nodes, full stack, **simulated readiness**)",
+                "figure",
+                "value",
+                "baseline / reference",
+            ),
             f"| sandboxes held concurrently | **{scale['held_peak']}** | paper: 11,858 |",
             f"| acquire errors | {scale.get('error_count', 'see note')} | paper: 83 timeouts |",
             f"| target reached | {'yes' if scale['held_peak'] >= scale.get('args', {}).get('target', 12000) else '**no**'} | target {scale.get('args', {}).get('target', 12000)} |",
@@ -386,10 +351,7 @@ def phase_report(args: argparse.Namespace) -> None:
         figures["scale"] = {k: v for k, v in scale.items() if not k.startswith("hist_")}
     if burst:
         md += [
-            "## Burst run",
-            "",
-            "| figure | value | reference |",
-            "|---|---|---|",
+            *_section("Burst run", "figure", "value", "reference"),
             f"| acquires submitted | {burst['args']['n']} in {burst['submit_s']:.2f} s | |",
             f"| delivered / lost / errors | {burst['delivered']} / {burst['lost']} / "
             f"{burst['errors']} | lost must be 0 |",
@@ -410,15 +372,16 @@ def phase_report(args: argparse.Namespace) -> None:
     if replay:
         m, p = replay["measured"], replay["predicted"]
         md += [
-            "## Replay simulator vs the real broker",
-            "",
-            f"Trace `{Path(replay['trace']).name}` ({m['requests']} acquires), pools "
-            f"`{replay['policy']['warm']}`, idle timeout {replay['policy']['idle_timeout_s']:g} s, "
-            f"replayed in real time against the local backend; the simulator uses the run's "
-            f"own create-to-ready p50 ({replay['policy']['create_s']:.2f} s).",
-            "",
-            "| figure | predicted | measured |",
-            "|---|---|---|",
+            *_section(
+                "Replay simulator vs the real broker",
+                "figure",
+                "predicted",
+                "measured",
+                intro=f"Trace `{Path(replay['trace']).name}` ({m['requests']} acquires), pools "
+                f"`{replay['policy']['warm']}`, idle timeout {replay['policy']['idle_timeout_s']:g} s, "
+                f"replayed in real time against the local backend; the simulator uses the run's "
+                f"own create-to-ready p50 ({replay['policy']['create_s']:.2f} s).",
+            ),
             f"| warm-hit rate | {p['hit_rate']:.3f} | {m['hit_rate']:.3f} |",
             f"| creates | {p['creates']} | {m['creates']} |",
             f"| acquisition wait p50 | {_s(p['wait_p50_s'])} | {_s(m['wait_p50_s'])} |",
@@ -434,8 +397,7 @@ def phase_report(args: argparse.Namespace) -> None:
         md += [
             "Simulator-only sweep on the same trace (what an operator would do next):",
             "",
-            "| policy | hit rate | wait mean | creates | idle pod-h | total pod-h |",
-            "|---|---|---|---|---|---|",
+            *_table("policy", "hit rate", "wait mean", "creates", "idle pod-h", "total pod-h"),
         ]
         sweep = {}
         variants = [("as measured", {}), ("no pool", {"warm": {}})]
@@ -454,10 +416,14 @@ def phase_report(args: argparse.Namespace) -> None:
     if execd:
         e, r, w = execd["execd"], execd["raw_pipe"], execd["swerex"]
         md += [
-            "## execd vs raw pipe vs SWE-ReX (`echo hi` round trip)",
-            "",
-            "| path | p50 | p90 | p99 | vs raw pipe (p50) |",
-            "|---|---|---|---|---|",
+            *_section(
+                "execd vs raw pipe vs SWE-ReX (`echo hi` round trip)",
+                "path",
+                "p50",
+                "p90",
+                "p99",
+                "vs raw pipe (p50)",
+            ),
             f"| raw bash pipe (floor) | {_ms(r['p50'])} | {_ms(r['p90'])} | {_ms(r['p99'])} | 1x |",
             f"| execd (HTTP keep-alive) | {_ms(e['p50'])} | {_ms(e['p90'])} | {_ms(e['p99'])} | "
             f"{e['p50'] / r['p50']:.1f}x |",
@@ -470,10 +436,13 @@ def phase_report(args: argparse.Namespace) -> None:
         figures["execd"] = {k: v for k, v in execd.items() if not k.endswith("_s")}
     if broker:
         md += [
-            "## Warm hit vs cold acquire (bench/broker_bench.py --quick, local backend)",
-            "",
-            "| measurement | n | p50 | p99 |",
-            "|---|---|---|---|",
+            *_section(
+                "Warm hit vs cold acquire (bench/broker_bench.py --quick, local backend)",
+                "measurement",
+                "n",
+                "p50",
+                "p99",
+            ),
         ]
         for name, row in broker["rows"].items():
             md.append(f"| {name} | {row['n']} | {_ms(row['p50_s'])} | {_ms(row['p99_s'])} |")
@@ -487,12 +456,15 @@ def phase_report(args: argparse.Namespace) -> None:
         if not cold:
             continue
         md += [
-            "## Cold acquires on kwok: broker overhead vs API server and node "
-            f"(bench/cold_kwok.py, **simulated readiness**, pacing off; {how})",
-            "",
-            "| concurrency | trainer acquire p50 / p99 | API+node p50 / p99 | "
-            "broker overhead p50 / p99 | baseline: bare POST->Ready p50 / p99 |",
-            "|---|---|---|---|---|",
+            *_section(
+                "Cold acquires on kwok: broker overhead vs API server and node "
+                f"(bench/cold_kwok.py, **simulated readiness**, pacing off; {how})",
+                "concurrency",
+                "trainer acquire p50 / p99",
+                "API+node p50 / p99",
+                "broker overhead p50 / p99",
+                "baseline: bare POST->Ready p50 / p99",
+            ),
         ]
         for key in sorted((k for k in cold if k.startswith("c")), key=lambda k: int(k[1:])):
             row = cold[key]

@@ -10,27 +10,15 @@ bench/harness/syscampaign.py for the faults and invariants. Exits 1 on any viola
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.harness.syscampaign import FAULT_KINDS, Config, run  # noqa: E402
-
-
-def kubeconfig() -> str:
-    path = os.environ.get("SANDMAN_TEST_KUBECONFIG")
-    if path:
-        return path
-    out = subprocess.run(
-        [str(REPO / "deploy/localcluster/up.sh")], capture_output=True, text=True, check=True
-    )
-    return out.stdout.strip().splitlines()[-1]
+from bench.common import kubeconfig_path
+from bench.harness.syscampaign import FAULT_KINDS, Config, run
 
 
 def main() -> int:
@@ -45,7 +33,7 @@ def main() -> int:
     args = p.parse_args()
     state = Path(tempfile.mkdtemp(prefix="sandman-syscampaign-"))
     cfg = Config(
-        kubeconfig=kubeconfig(),
+        kubeconfig=kubeconfig_path(),
         state_dir=state,
         duration_s=args.duration,
         trainers=args.trainers,

@@ -27,11 +27,10 @@ from typing import Any
 from sqlalchemy import func, select
 
 from bench.harness.faultproxy import FaultProxy, Rule
-from broker.backends.base import LABEL_INSTALLATION, LABEL_JOB, LABEL_NONCE
+from bench.kwok import ensure_kwok_job, plant_sentinels
 from broker.backends.kube.api import Kube, load_api_client
 from broker.backends.kube.backend import KubeBackend
 from broker.errors import SandmanError
-from broker.ledger import store
 from broker.ledger.db import make_engine, make_session_factory
 from broker.ledger.models import Event, Sandbox
 from broker.ledger.states import State
@@ -48,7 +47,6 @@ FAILPOINTS = (
     "after-releasing-commit",
     "after-delete-sent",
 )
-KWOK_TOLERATION = {"key": "kwok.x-k8s.io/node", "operator": "Exists", "effect": "NoSchedule"}
 PROXY_FAULTS = (
     Rule("error_after", "POST", r"/pods$", probability=0.06, times=None),
     Rule("reset_after", "POST", r"/pods$", probability=0.06, times=None),
@@ -219,17 +217,10 @@ def run_campaign(
     engine = make_engine(database_url, pool_size=2)
     sessions = make_session_factory(engine)
     with sessions.begin() as s:
-        store.ensure_job(
-            s,
-            "campaign",
-            node_selector={"type": "kwok"},
-            tolerations=[KWOK_TOLERATION],
-            readiness_budget_s=20.0,
-            lease_s=120.0,
-        )
+        ensure_kwok_job(s, "campaign", readiness_budget_s=20.0, lease_s=120.0)
     sentinel_names: list[str] = []
     try:
-        sentinel_names[:] = _plant_sentinels(admin, namespace, installation, sentinels)
+        sentinel_names[:] = plant_sentinels(admin, namespace, installation, sentinels)
         for rule in PROXY_FAULTS:
             proxy.add(Rule(**{**rule.__dict__, "hits": 0}))
         ctx = multiprocessing.get_context("fork")
@@ -328,36 +319,6 @@ def run_campaign(
         admin.delete_namespace(namespace)
     result.duration_s = time.monotonic() - started
     return result
-
-
-def _plant_sentinels(admin: Kube, namespace: str, installation: str, count: int) -> list[str]:
-    """Pods with our label keys that are NOT ours: another installation, or an unknown nonce."""
-    names = []
-    for i in range(count):
-        inst = installation if i % 2 else "someone-else"
-        name = f"sentinel-{installation}-{i}"[:63]
-        admin.create_pod(
-            namespace,
-            {
-                "apiVersion": "v1",
-                "kind": "Pod",
-                "metadata": {
-                    "name": name,
-                    "labels": {
-                        LABEL_INSTALLATION: inst,
-                        LABEL_JOB: "campaign",
-                        LABEL_NONCE: f"sentinel{i}",
-                    },
-                },
-                "spec": {
-                    "nodeSelector": {"type": "kwok"},
-                    "tolerations": [KWOK_TOLERATION],
-                    "containers": [{"name": "c", "image": "localhost/kwok:1"}],
-                },
-            },
-        )
-        names.append(name)
-    return names
 
 
 def main_json(result: CampaignResult) -> str:

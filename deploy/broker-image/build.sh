@@ -22,18 +22,16 @@
 # A warm run (nothing changed) only hashes the sources: about a second.
 # Needs root (chroot); Python on the host only to build the wheel and download wheels.
 set -euo pipefail
+# shellcheck source-path=SCRIPTDIR source=../lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/../lib.sh" broker-image
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-REPO="$(cd "$HERE/../.." && pwd)"
-CACHE_DIR="${SANDMAN_CACHE_DIR:-$HOME/.cache/sandman}"
 OUT="$CACHE_DIR/broker-image"
 TAG="${SANDMAN_BROKER_IMAGE:-localhost/sandman-broker:dev}"
-PY="${SANDMAN_BUILD_PYTHON:-$REPO/.venv/bin/python}"
-PACK="$REPO/deploy/images/pack_image.py"
+PY="${SANDMAN_BUILD_PYTHON:-$REPO_ROOT/.venv/bin/python}"
+PACK="$REPO_ROOT/deploy/images/pack_image.py"
 DO_IMPORT=0
 [[ "${1:-}" == "--import" ]] && DO_IMPORT=1
 mkdir -p "$OUT"
-log() { printf '[%s] broker-image: %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
-die() { log "ERROR: $*"; exit 1; }
 [[ -x "$PY" ]] || PY="$(command -v python3)"
 "$PY" -c 'import sys; assert sys.version_info[:2] >= (3, 11)' || die "$PY is older than 3.11"
 t_start=$SECONDS
@@ -43,19 +41,19 @@ base_layer() { ls -t "$CACHE_DIR"/images/rootfs-bookworm-*.layer.tar 2>/dev/null
 BASE_LAYER="$(base_layer)"
 if [[ -z "$BASE_LAYER" ]]; then
   log "no cached bookworm rootfs; running deploy/images/build.sh"
-  "$REPO/deploy/images/build.sh" >&2 || die "deploy/images/build.sh failed"
+  "$REPO_ROOT/deploy/images/build.sh" >&2 || die "deploy/images/build.sh failed"
   BASE_LAYER="$(base_layer)"
   [[ -n "$BASE_LAYER" ]] || die "deploy/images/build.sh produced no rootfs layer"
 fi
 
 # ---------------- content hash of every input ----------------
 # Sources: tracked and untracked (not ignored) files of the packages, plus build files.
-mapfile -t SRC < <(cd "$REPO" && git ls-files -co --exclude-standard -- \
+mapfile -t SRC < <(cd "$REPO_ROOT" && git ls-files -co --exclude-standard -- \
   broker workers execd web migrations alembic.ini pyproject.toml README.md \
   | grep -v -E '(__pycache__|\.pyc$)' | sort -u)
-DEPS_HASH="$( { echo async-timeout; sed -n '/^dependencies = \[/,/^\]/p' "$REPO/pyproject.toml"; echo cp311-manylinux_2_36; } \
+DEPS_HASH="$( { echo async-timeout; sed -n '/^dependencies = \[/,/^\]/p' "$REPO_ROOT/pyproject.toml"; echo cp311-manylinux_2_36; } \
   | sha256sum | cut -c1-16)"
-SRC_HASH="$( { cd "$REPO"; for f in "${SRC[@]}"; do [[ -f "$f" ]] && { echo "== $f"; cat "$f"; }; done
+SRC_HASH="$( { cd "$REPO_ROOT"; for f in "${SRC[@]}"; do [[ -f "$f" ]] && { echo "== $f"; cat "$f"; }; done
                echo "== build.sh"; cat "$HERE/build.sh"; echo "== pack"; cat "$PACK"
                echo "== base $(basename "$BASE_LAYER") deps $DEPS_HASH tag $TAG"; } | sha256sum | cut -c1-16)"
 IMAGE_TAR="$OUT/sandman-broker-$SRC_HASH.tar"
@@ -63,7 +61,7 @@ WHEELHOUSE="$OUT/wheelhouse-$DEPS_HASH"
 
 import_image() {
   # shellcheck source=../localcluster/lib.sh
-  source "$REPO/deploy/localcluster/lib.sh"
+  source "$REPO_ROOT/deploy/localcluster/lib.sh"
   local ctr=(ctr --address "$CTRD_SOCK" -n k8s.io)
   "${ctr[@]}" version >/dev/null 2>&1 || die "local cluster containerd is not running ($CTRD_SOCK): run deploy/localcluster/up.sh"
   local marker="$STATE/run/imported-$(basename "$IMAGE_TAR")"
@@ -92,7 +90,7 @@ trap cleanup EXIT
 # ---------------- wheels ----------------
 # A cached build environment (setuptools, wheel) instead of pip's per-build isolation,
 # which would download them again on every build.
-BUILDENV="$OUT/buildenv-$(sed -n '/^\[build-system\]/,/^$/p' "$REPO/pyproject.toml" | sha256sum | cut -c1-12)"
+BUILDENV="$OUT/buildenv-$(sed -n '/^\[build-system\]/,/^$/p' "$REPO_ROOT/pyproject.toml" | sha256sum | cut -c1-12)"
 if [[ ! -x "$BUILDENV/bin/python" ]]; then
   log "creating the wheel build environment"
   rm -rf "$BUILDENV.tmp" && "$PY" -m venv "$BUILDENV.tmp"
@@ -100,7 +98,7 @@ if [[ ! -x "$BUILDENV/bin/python" ]]; then
   mv "$BUILDENV.tmp" "$BUILDENV"
 fi
 log "building the project wheel"
-"$BUILDENV/bin/python" -m pip wheel "$REPO" -w "$W/project" --no-deps --no-build-isolation -q >"$W/wheel.log" 2>&1 \
+"$BUILDENV/bin/python" -m pip wheel "$REPO_ROOT" -w "$W/project" --no-deps --no-build-isolation -q >"$W/wheel.log" 2>&1 \
   || { tail -20 "$W/wheel.log" >&2; die "building the project wheel failed"; }
 PROJECT_WHEEL="$(ls "$W"/project/sandman_broker-*.whl)" || die "no project wheel was built"
 if [[ ! -f "$WHEELHOUSE/.complete" ]]; then
@@ -164,8 +162,8 @@ touch "$W/marker" && sleep 1
 chroot_pip --no-deps "/wheels/$(basename "$PROJECT_WHEEL")" || die "pip install of the project failed"
 SITE="$R/opt/sandman/venv/lib/python3.11/site-packages"
 [[ -d "$SITE/broker" && -d "$SITE/execd" ]] || die "broker/execd not installed in $SITE"
-rm -rf "$SITE/migrations" && cp -a "$REPO/migrations" "$SITE/migrations"
-cp "$REPO/alembic.ini" "$R/opt/sandman/alembic.ini"
+rm -rf "$SITE/migrations" && cp -a "$REPO_ROOT/migrations" "$SITE/migrations"
+cp "$REPO_ROOT/alembic.ini" "$R/opt/sandman/alembic.ini"
 find "$SITE/migrations" -name __pycache__ -prune -exec rm -rf {} +
 # cp -a kept the checkout's mtimes: make them new, or the layer (files newer than the
 # marker) would silently leave the migrations out
@@ -184,7 +182,7 @@ tar --numeric-owner --no-recursion --mtime=@1704067200 -C "$R" -cf "$W/layer.tar
 for want in site-packages/migrations/env.py site-packages/execd/__init__.py site-packages/broker/migrate.py bin/sandman; do
   grep -q "/$want\$" "$W/app.list" || die "the project layer lacks $want"
 done
-nvers="$(find "$REPO/migrations/versions" -name '*.py' | wc -l)"
+nvers="$(find "$REPO_ROOT/migrations/versions" -name '*.py' | wc -l)"
 [[ "$(grep -c 'site-packages/migrations/versions/[^/]*\.py$' "$W/app.list")" -eq "$nvers" ]] \
   || die "the project layer lacks some of the $nvers migration versions"
 

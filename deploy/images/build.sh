@@ -5,8 +5,9 @@
 # where <hash> covers every build input; a tarball is rebuilt only when missing.
 # An index (ref -> tarball) is written to images/index.tsv for up.sh to import.
 set -euo pipefail
+# shellcheck source-path=SCRIPTDIR source=../lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/../lib.sh" images
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-CACHE_DIR="${SANDMAN_CACHE_DIR:-$HOME/.cache/sandman}"
 OUT="$CACHE_DIR/images"
 IMAGE_TAG="${SANDMAN_IMAGE_TAG:-v1}"
 SUITE=bookworm
@@ -19,7 +20,6 @@ fi
 BASE_PACKAGES="bash,python3,git,ca-certificates,procps"
 PACK="$HERE/pack_image.py"
 mkdir -p "$OUT"
-log() { printf '[%s] images: %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
 
 hash_inputs() { # [files... | =literal ...] -> 16 hex chars over names, contents and literals
   { for f in "$@"; do

@@ -16,14 +16,12 @@
 # built here from the Containerfile and loaded into the nodes (no registry needed).
 # Prints the kubeconfig path on stdout (last line), like deploy/localcluster/up.sh.
 set -euo pipefail
-HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-REPO="$(cd "$HERE/../.." && pwd)"
+# shellcheck source-path=SCRIPTDIR source=../lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/../lib.sh" kind
 NAME="${SANDMAN_KIND_CLUSTER:-sandman}"
 IMAGE="${SANDMAN_BROKER_IMAGE:-localhost/sandman-broker:dev}"
-KUBECONFIG_OUT="${SANDMAN_KIND_KUBECONFIG:-${SANDMAN_STATE_DIR:-$HOME/.local/state/sandman}/kind/kubeconfig}"
+KUBECONFIG_OUT="${SANDMAN_KIND_KUBECONFIG:-$STATE_ROOT/kind/kubeconfig}"
 DOCKER="${DOCKER:-docker}"
-log() { printf '[%s] kind: %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
-die() { log "ERROR: $*"; exit 1; }
 
 for tool in kind kubectl "$DOCKER"; do
   command -v "$tool" >/dev/null || die "$tool is not installed"
@@ -38,14 +36,14 @@ fi
 mkdir -p "$(dirname "$KUBECONFIG_OUT")"
 if ! kind get clusters 2>/dev/null | grep -qx "$NAME"; then
   log "creating cluster $NAME"
-  kind create cluster --name "$NAME" --config "$HERE/cluster.yaml" --kubeconfig "$KUBECONFIG_OUT" --wait 120s >&2
+  kind create cluster --name "$NAME" --config "$REPO_ROOT/deploy/kind/cluster.yaml" --kubeconfig "$KUBECONFIG_OUT" --wait 120s >&2
 else
   kind get kubeconfig --name "$NAME" > "$KUBECONFIG_OUT"
 fi
 export KUBECONFIG="$KUBECONFIG_OUT"
 
 log "building $IMAGE from deploy/broker-image/Containerfile"
-"$DOCKER" build -f "$REPO/deploy/broker-image/Containerfile" -t "$IMAGE" "$REPO" >&2
+"$DOCKER" build -f "$REPO_ROOT/deploy/broker-image/Containerfile" -t "$IMAGE" "$REPO_ROOT" >&2
 log "loading $IMAGE into the nodes"
 kind load docker-image --name "$NAME" "$IMAGE" >&2
 
@@ -53,7 +51,7 @@ kind load docker-image --name "$NAME" "$IMAGE" >&2
 # pull from); load your own the same way: kind load docker-image --name sandman IMAGE
 
 log "applying the dev overlay"
-kubectl apply --server-side -k "$REPO/deploy/k8s/overlays/dev" >&2
+kubectl apply --server-side -k "$REPO_ROOT/deploy/k8s/overlays/dev" >&2
 kubectl -n sandman-system wait --for=condition=complete job/sandman-migrate --timeout=300s >&2
 for d in sandman-redis sandman-worker sandman-web sandman-beat; do
   kubectl -n sandman-system rollout status "deployment/$d" --timeout=300s >&2

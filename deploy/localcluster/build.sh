@@ -11,6 +11,10 @@ GOBUILD="$LC_DIR/gobuild"
 TIMINGS="$CACHE_DIR/build-timings.log"
 mkdir -p "$CACHE_DIR"
 
+install_part() { # tmp-dir bin-dir: replace a part's binaries at once (never half a part)
+  mkdir -p "$(dirname "$2")"; rm -rf "$2"; mv "$1" "$2"
+}
+
 record_time() { # name seconds
   printf '%s %s %ss host=%s\n' "$(date -Is)" "$1" "$2" "$(nproc)cpu" >> "$TIMINGS"
   log "built $1 in $2s"
@@ -35,53 +39,40 @@ build_k8s() {
   local t0=$SECONDS pkgs=()
   for b in "${bins[@]}"; do pkgs+=("k8s.io/kubernetes/cmd/$b"); done
   (cd "$GOBUILD/k8s" && go build -mod=mod -ldflags "$ld" -o "$tmp/" "${pkgs[@]}")
-  mkdir -p "$(dirname "$K8S_BIN")"; rm -rf "$K8S_BIN"; mv "$tmp" "$K8S_BIN"
+  install_part "$tmp" "$K8S_BIN"
   record_time "k8s-$K8S_VERSION" $((SECONDS - t0))
 }
 
-build_etcd() {
-  [[ -x "$ETCD_BIN/etcd" ]] && { log "etcd $ETCD_VERSION cached"; return; }
-  local tmp="$ETCD_BIN.tmp.$$"; mkdir -p "$tmp"
-  log "building etcd $ETCD_VERSION"
+# go_part NAME VERSION BIN_DIR GOBUILD_SUBDIR LDFLAGS BINARY PACKAGE: one Go binary, unless cached
+go_part() {
+  local name=$1 version=$2 bin=$3 dir=$4 ldflags=$5 out=$6 pkg=$7
+  [[ -x "$bin/$out" ]] && { log "$name $version cached"; return; }
+  local tmp="$bin.tmp.$$"; mkdir -p "$tmp"
+  log "building $name $version"
   local t0=$SECONDS
-  (cd "$GOBUILD/etcd" && go build -mod=mod -ldflags "-s -w" -o "$tmp/etcd" go.etcd.io/etcd/server/v3)
-  mkdir -p "$(dirname "$ETCD_BIN")"; rm -rf "$ETCD_BIN"; mv "$tmp" "$ETCD_BIN"
-  record_time "etcd-$ETCD_VERSION" $((SECONDS - t0))
+  (cd "$GOBUILD/$dir" && go build -mod=mod -ldflags "$ldflags" -o "$tmp/$out" "$pkg")
+  install_part "$tmp" "$bin"
+  record_time "$name-$version" $((SECONDS - t0))
+}
+
+build_etcd() {
+  go_part etcd "$ETCD_VERSION" "$ETCD_BIN" etcd "-s -w" etcd go.etcd.io/etcd/server/v3
 }
 
 build_kwok() {
-  [[ -x "$KWOK_BIN/kwok" ]] && { log "kwok $KWOK_VERSION cached"; return; }
-  local tmp="$KWOK_BIN.tmp.$$"; mkdir -p "$tmp"
-  log "building kwok $KWOK_VERSION"
-  local t0=$SECONDS
-  (cd "$GOBUILD/kwok" && go build -mod=mod \
-     -ldflags "-s -w -X sigs.k8s.io/kwok/pkg/consts.Version=$KWOK_VERSION" \
-     -o "$tmp/kwok" sigs.k8s.io/kwok/cmd/kwok)
-  mkdir -p "$(dirname "$KWOK_BIN")"; rm -rf "$KWOK_BIN"; mv "$tmp" "$KWOK_BIN"
-  record_time "kwok-$KWOK_VERSION" $((SECONDS - t0))
+  go_part kwok "$KWOK_VERSION" "$KWOK_BIN" kwok \
+    "-s -w -X sigs.k8s.io/kwok/pkg/consts.Version=$KWOK_VERSION" kwok sigs.k8s.io/kwok/cmd/kwok
 }
 
 build_crictl() {
-  [[ -x "$CRICTL_BIN/crictl" ]] && { log "crictl $CRICTL_VERSION cached"; return; }
-  local tmp="$CRICTL_BIN.tmp.$$"; mkdir -p "$tmp"
-  log "building crictl $CRICTL_VERSION"
-  local t0=$SECONDS
-  (cd "$GOBUILD/crictl" && go build -mod=mod \
-     -ldflags "-s -w -X sigs.k8s.io/cri-tools/pkg/version.Version=$CRICTL_VERSION" \
-     -o "$tmp/crictl" sigs.k8s.io/cri-tools/cmd/crictl)
-  mkdir -p "$(dirname "$CRICTL_BIN")"; rm -rf "$CRICTL_BIN"; mv "$tmp" "$CRICTL_BIN"
-  record_time "crictl-$CRICTL_VERSION" $((SECONDS - t0))
+  go_part crictl "$CRICTL_VERSION" "$CRICTL_BIN" crictl \
+    "-s -w -X sigs.k8s.io/cri-tools/pkg/version.Version=$CRICTL_VERSION" \
+    crictl sigs.k8s.io/cri-tools/cmd/crictl
 }
 
 build_knp() { # sigs.k8s.io/kube-network-policies: NetworkPolicy enforcement on the real node
-  [[ -x "$KNP_BIN/kube-network-policies" ]] && { log "kube-network-policies $KNP_VERSION cached"; return; }
-  local tmp="$KNP_BIN.tmp.$$"; mkdir -p "$tmp"
-  log "building kube-network-policies $KNP_VERSION"
-  local t0=$SECONDS
-  (cd "$GOBUILD/knp" && go build -mod=mod -ldflags "-s -w" \
-     -o "$tmp/kube-network-policies" sigs.k8s.io/kube-network-policies/cmd)
-  mkdir -p "$(dirname "$KNP_BIN")"; rm -rf "$KNP_BIN"; mv "$tmp" "$KNP_BIN"
-  record_time "kube-network-policies-$KNP_VERSION" $((SECONDS - t0))
+  go_part kube-network-policies "$KNP_VERSION" "$KNP_BIN" knp "-s -w" \
+    kube-network-policies sigs.k8s.io/kube-network-policies/cmd
 }
 
 build_images() {

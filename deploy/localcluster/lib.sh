@@ -1,9 +1,9 @@
 # shellcheck shell=bash
 # Shared settings for the Sandman local cluster scripts (sourced, not executed).
-set -euo pipefail
+# shellcheck source-path=SCRIPTDIR source=../lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/../lib.sh" ""  # no log tag (and not the caller's $1)
 
 LC_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-REPO_ROOT="$(cd "$LC_DIR/../.." && pwd)"
 
 # ---- versions (see docs/localcluster.md for what was tried) ----
 K8S_VERSION="${SANDMAN_K8S_VERSION:-v1.37.2}"
@@ -13,8 +13,6 @@ CRICTL_VERSION="${SANDMAN_CRICTL_VERSION:-v1.37.0}"
 KNP_VERSION=v0.8.0   # sigs.k8s.io/kube-network-policies; pinned in gobuild/knp/go.mod
 
 # ---- locations ----
-CACHE_DIR="${SANDMAN_CACHE_DIR:-$HOME/.cache/sandman}"
-STATE_ROOT="${SANDMAN_STATE_DIR:-$HOME/.local/state/sandman}"
 STATE="$STATE_ROOT/cluster"
 K8S_BIN="$CACHE_DIR/k8s-$K8S_VERSION/bin"
 ETCD_BIN="$CACHE_DIR/etcd-$ETCD_VERSION/bin"
@@ -60,6 +58,3 @@ CNI_CONF_DIR="$STATE/cni/net.d"
 CNI_BIN_DIR="/usr/lib/cni"
 
 PAUSE_IMAGE="localhost/sandman-pause:1"
-
-log() { printf '[%s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
-die() { log "ERROR: $*"; exit 1; }

@@ -19,6 +19,8 @@ from typing import Any
 
 import pytest
 
+from bench import kwok
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 UP_SCRIPT = REPO_ROOT / "deploy" / "localcluster" / "up.sh"
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
@@ -28,12 +30,8 @@ UP_TIMEOUT_S = int(os.environ.get("SANDMAN_CLUSTER_UP_TIMEOUT", "5400"))
 TASK_BASE_IMAGE = "localhost/sandman-task-base:v1"
 SWE_TASK_IMAGE = "localhost/sandman-swe-task:v1"
 REAL_NODE_SELECTOR = {"sandman.io/node-kind": "real"}
-KWOK_NODE_SELECTOR = {"type": "kwok"}
-KWOK_TOLERATION = {
-    "key": "kwok.x-k8s.io/node",
-    "operator": "Exists",
-    "effect": "NoSchedule",
-}
+KWOK_NODE_SELECTOR = kwok.KWOK_SELECTOR
+KWOK_TOLERATION = kwok.KWOK_TOLERATION
 
 
 def _unavailable(message: str) -> None:
@@ -111,6 +109,19 @@ def wait_until(
     pytest.fail(f"timed out after {timeout}s waiting for {what or predicate} (last={last!r})")
 
 
+def default_sa_exists(core_v1: Any, namespace: str) -> bool:
+    """The controller-manager has created ``namespace``'s "default" ServiceAccount."""
+    from kubernetes.client.exceptions import ApiException
+
+    try:
+        core_v1.read_namespaced_service_account("default", namespace)
+    except ApiException as exc:
+        if exc.status == 404:
+            return False
+        raise
+    return True
+
+
 @pytest.fixture
 def namespace(core_v1: Any, request: pytest.FixtureRequest) -> Iterator[str]:
     """A fresh namespace for one test, deleted afterwards."""
@@ -125,19 +136,10 @@ def namespace(core_v1: Any, request: pytest.FixtureRequest) -> Iterator[str]:
         )
     )
 
-    def default_sa_exists() -> bool:
-        try:
-            core_v1.read_namespaced_service_account("default", name)
-        except ApiException as exc:
-            if exc.status == 404:
-                return False
-            raise
-        return True
-
     # ServiceAccount admission rejects pods until the controller-manager has created
     # the namespace's "default" ServiceAccount (even with automountServiceAccountToken
     # false), so wait for it.
-    wait_until(default_sa_exists, 60, what=f"serviceaccount {name}/default")
+    wait_until(lambda: default_sa_exists(core_v1, name), 60, what=f"serviceaccount {name}/default")
     yield name
     try:
         core_v1.delete_namespace(name, grace_period_seconds=0)

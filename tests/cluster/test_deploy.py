@@ -223,47 +223,57 @@ def test_rendered_pods_follow_the_paper_and_security_rules(kubectl: Any) -> None
 
 # ---------------------------------------------------------------- RBAC matrix
 
+
+def _asks(namespace: str, allowed: bool, *asks: str) -> list[tuple[str, str, str, bool]]:
+    """(verb, resource, namespace, allowed) rows from "verb resource" strings."""
+    pairs = (ask.split(" ", 1) for ask in asks)
+    return [(verb, resource, namespace, allowed) for verb, resource in pairs]
+
+
 # (verb, resource[/name], namespace, allowed); "resource:subresource" for subresources
 # (`kubectl auth can-i create pods/exec` would ask about a pod NAMED exec).
 RBAC_MATRIX = [
-    ("create", "pods", SANDBOX_NS, True),
-    ("delete", "pods", SANDBOX_NS, True),
-    ("get", "pods", SANDBOX_NS, True),
-    ("list", "pods", SANDBOX_NS, True),
-    ("watch", "pods", SANDBOX_NS, True),
-    ("create", "configmaps", SANDBOX_NS, True),
-    ("delete", "configmaps", SANDBOX_NS, True),
-    ("create", "networkpolicies.networking.k8s.io", SANDBOX_NS, True),
-    ("list", "events", SANDBOX_NS, True),
-    ("get", "serviceaccounts/default", SANDBOX_NS, True),
+    *_asks(
+        SANDBOX_NS,
+        True,
+        *(f"{verb} pods" for verb in ("create", "delete", "get", "list", "watch")),
+        "create configmaps",
+        "delete configmaps",
+        "create networkpolicies.networking.k8s.io",
+        "list events",
+        "get serviceaccounts/default",
+    ),
     # nothing beyond that in the sandbox namespace
-    ("patch", "pods", SANDBOX_NS, False),
-    ("update", "pods", SANDBOX_NS, False),
-    ("create", "pods:exec", SANDBOX_NS, False),
-    ("update", "configmaps", SANDBOX_NS, False),
-    ("get", "serviceaccounts/other", SANDBOX_NS, False),
-    ("create", "serviceaccounts:token", SANDBOX_NS, False),
-    ("create", "pods:eviction", SANDBOX_NS, False),
-    ("create", "rolebindings.rbac.authorization.k8s.io", SANDBOX_NS, False),
-    ("get", "secrets", SANDBOX_NS, False),
-    ("list", "secrets", SANDBOX_NS, False),
-    ("create", "secrets", SANDBOX_NS, False),
+    *_asks(
+        SANDBOX_NS,
+        False,
+        "patch pods",
+        "update pods",
+        "create pods:exec",
+        "update configmaps",
+        "get serviceaccounts/other",
+        "create serviceaccounts:token",
+        "create pods:eviction",
+        "create rolebindings.rbac.authorization.k8s.io",
+        "get secrets",
+        "list secrets",
+        "create secrets",
+    ),
     # no other namespace, including its own
-    ("create", "pods", "default", False),
-    ("delete", "pods", "default", False),
-    ("create", "pods", "kube-system", False),
-    ("create", "pods", SYSTEM_NS, False),
-    ("list", "pods", SYSTEM_NS, False),
-    ("get", "secrets", SYSTEM_NS, False),
-    ("list", "secrets", "kube-system", False),
-    ("create", "configmaps", "default", False),
+    *_asks("default", False, "create pods", "delete pods", "create configmaps"),
+    *_asks("kube-system", False, "create pods", "list secrets"),
+    *_asks(SYSTEM_NS, False, "create pods", "list pods", "get secrets"),
     # nothing cluster-wide
-    ("create", "validatingwebhookconfigurations.admissionregistration.k8s.io", "", False),
-    ("delete", "mutatingwebhookconfigurations.admissionregistration.k8s.io", "", False),
-    ("patch", "validatingadmissionpolicies.admissionregistration.k8s.io", "", False),
-    ("create", "clusterrolebindings.rbac.authorization.k8s.io", "", False),
-    ("delete", "namespaces", "", False),
-    ("list", "nodes", "", False),
+    *_asks(
+        "",
+        False,
+        "create validatingwebhookconfigurations.admissionregistration.k8s.io",
+        "delete mutatingwebhookconfigurations.admissionregistration.k8s.io",
+        "patch validatingadmissionpolicies.admissionregistration.k8s.io",
+        "create clusterrolebindings.rbac.authorization.k8s.io",
+        "delete namespaces",
+        "list nodes",
+    ),
 ]
 
 

@@ -27,7 +27,12 @@ from broker.grading import GradeConfig, Grader, GradingClient, Verdict, load_tas
 from broker.grading.api import broker_acquire
 from broker.grading.seam import SandboxRequest
 from broker.ledger import store
-from tests.cluster.conftest import REAL_NODE_SELECTOR, SWE_TASK_IMAGE, wait_until
+from tests.cluster.conftest import (
+    REAL_NODE_SELECTOR,
+    SWE_TASK_IMAGE,
+    default_sa_exists,
+    wait_until,
+)
 
 pytestmark = pytest.mark.cluster
 
@@ -50,7 +55,9 @@ def stack(  # type: ignore[no-untyped-def]
     namespace = f"lc-grading-{secrets.token_hex(3)}"
     core_v1.create_namespace(k8s.V1Namespace(metadata=k8s.V1ObjectMeta(name=namespace)))
     wait_until(
-        lambda: _sa_exists(core_v1, namespace), 60, what=f"serviceaccount {namespace}/default"
+        lambda: default_sa_exists(core_v1, namespace),
+        60,
+        what=f"serviceaccount {namespace}/default",
     )
     # A Redis database of its own (other sessions may share the embedded Redis), so no
     # other worker can take this stack's messages.
@@ -97,18 +104,6 @@ def stack(  # type: ignore[no-untyped-def]
         log.close()
         with contextlib.suppress(Exception):
             core_v1.delete_namespace(namespace, grace_period_seconds=0)
-
-
-def _sa_exists(core_v1: Any, namespace: str) -> bool:
-    from kubernetes.client.exceptions import ApiException
-
-    try:
-        core_v1.read_namespaced_service_account("default", namespace)
-    except ApiException as exc:
-        if exc.status == 404:
-            return False
-        raise
-    return True
 
 
 CFG = GradeConfig(

@@ -13,7 +13,7 @@ import pytest
 from sqlalchemy import select
 
 from bench.harness.faultproxy import FaultProxy, Rule
-from broker.backends.base import LABEL_INSTALLATION, LABEL_JOB, LABEL_NONCE
+from bench.kwok import ensure_kwok_job, sentinel_pod
 from broker.backends.kube.api import Kube, load_api_client
 from broker.backends.kube.backend import KubeBackend
 from broker.backends.kube.podspec import owner_name
@@ -27,8 +27,6 @@ from broker.settings import Settings
 from broker.wire.execd import execd_answers
 from broker.wire.request import AcquireRequest
 from tests.cluster.conftest import (
-    KWOK_NODE_SELECTOR,
-    KWOK_TOLERATION,
     REAL_NODE_SELECTOR,
     TASK_BASE_IMAGE,
     wait_until,
@@ -52,13 +50,7 @@ def settings(kubeconfig_path, namespace, tmp_path):
 @pytest.fixture
 def provider(settings, sessions):
     with sessions.begin() as s:
-        store.ensure_job(
-            s,
-            "kwok",
-            node_selector=KWOK_NODE_SELECTOR,
-            tolerations=[KWOK_TOLERATION],
-            readiness_budget_s=60.0,
-        )
+        ensure_kwok_job(s, "kwok", readiness_budget_s=60.0)
         store.ensure_job(s, "real", node_selector=REAL_NODE_SELECTOR, readiness_budget_s=120.0)
     return Provider(settings, sessions, KubeBackend.from_settings(settings))
 
@@ -235,26 +227,7 @@ def test_sentinel_pods_are_never_deleted(provider, settings, kubeconfig_path):
     names = []
     for i, inst in enumerate(["another-installation", settings.installation_id]):
         name = f"sentinel-{i}-{sid_hex()}"
-        admin.create_pod(
-            settings.namespace,
-            {
-                "apiVersion": "v1",
-                "kind": "Pod",
-                "metadata": {
-                    "name": name,
-                    "labels": {
-                        LABEL_INSTALLATION: inst,
-                        LABEL_JOB: "kwok",
-                        LABEL_NONCE: "not-in-any-ledger",
-                    },
-                },
-                "spec": {
-                    "nodeSelector": KWOK_NODE_SELECTOR,
-                    "tolerations": [KWOK_TOLERATION],
-                    "containers": [{"name": "c", "image": "localhost/kwok:1"}],
-                },
-            },
-        )
+        admin.create_pod(settings.namespace, sentinel_pod(name, inst, "kwok", "not-in-any-ledger"))
         names.append(name)
     report = run_gc(provider)
     assert names[0] in report.foreign_pods and names[1] in report.unowned_pods
