@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-# Fixtures shared across feature folders (execd daemons, the admin app over a fake backend).
-pytest_plugins = ["tests.support.execd_daemon", "tests.support.web_app"]
+# Fixtures shared across feature folders (execd daemons, the admin app over a fake backend),
+# and the environment scrub that runs before any of them reads SANDMAN_* variables.
+pytest_plugins = ["tests.support.env", "tests.support.execd_daemon", "tests.support.web_app"]
 
 TIERS = ("unit", "integration", "cluster")
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")

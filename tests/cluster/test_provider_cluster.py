@@ -31,8 +31,8 @@ from tests.cluster.conftest import (
     KWOK_TOLERATION,
     REAL_NODE_SELECTOR,
     TASK_BASE_IMAGE,
-    wait_until,
 )
+from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.cluster
 
