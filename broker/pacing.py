@@ -14,6 +14,11 @@ create, inside the worker, while the rest of the burst stays queued in Redis.
 
 The concurrency cap is a semaphore (a sorted set of holders scored by lease expiry), so
 a SIGKILLed worker's slot frees itself when its lease runs out.
+
+The pacer's own waiting (deadlines, sleeps between turns) goes through a ``Clock``, the
+real one by default, so unit tests can check every pacing decision with a fake clock and
+no real sleeping. The bucket's time stays Redis ``TIME``: that is what keeps several
+workers honest, and the integration tests exercise it for real.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from broker import names
 from broker.errors import AcquireTimeout
@@ -91,6 +96,27 @@ return tostring(tonumber(t[1]) + tonumber(t[2]) / 1000000)
 """
 
 
+class Clock(Protocol):
+    """Where the pacer reads the time its deadlines are in, and how it waits."""
+
+    def monotonic(self) -> float: ...
+
+    def sleep(self, seconds: float) -> None: ...
+
+
+class SystemClock:
+    """The process's monotonic clock and a real sleep: what production uses."""
+
+    def monotonic(self) -> float:
+        return time.monotonic()
+
+    def sleep(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+
+SYSTEM_CLOCK = SystemClock()
+
+
 @dataclass(frozen=True)
 class Limits:
     """The pacing that applies to one create: global values plus optional per-job ones."""
@@ -105,11 +131,18 @@ class Limits:
 
 
 class Pacer:
-    """Token bucket + concurrency semaphore over one Redis connection pool."""
+    """Token bucket + concurrency semaphore over one Redis connection pool.
 
-    def __init__(self, redis: Any, *, slot_ttl_s: float = 180.0) -> None:
+    Deadlines passed in are readings of ``clock.monotonic()`` (the system monotonic clock
+    unless a test injects another).
+    """
+
+    def __init__(
+        self, redis: Any, *, slot_ttl_s: float = 180.0, clock: Clock = SYSTEM_CLOCK
+    ) -> None:
         self.redis = redis
         self.slot_ttl_s = slot_ttl_s
+        self.clock = clock
         self._bucket = redis.register_script(_BUCKET_LUA)
         self._sem = redis.register_script(_SEM_ACQUIRE_LUA)
         self._time = redis.register_script(_TIME_LUA)
@@ -147,15 +180,15 @@ class Pacer:
         caller whose turn is past its deadline is refused at once.
         """
         while True:
-            remaining = deadline - time.monotonic()
+            remaining = deadline - self.clock.monotonic()
             granted, wait, _ = self._try(limits, max(0.0, min(RESERVE_HORIZON_S, remaining)))
             if granted:
                 if wait > 0:
-                    time.sleep(wait)
+                    self.clock.sleep(wait)
                 return
             if wait > remaining:
                 raise AcquireTimeout("create rate limit: no token before the deadline")
-            time.sleep(max(0.01, wait - RESERVE_HORIZON_S / 2))
+            self.clock.sleep(max(0.01, wait - RESERVE_HORIZON_S / 2))
 
     def _sem_keys(self, limits: Limits) -> tuple[list[str], list[int]]:
         keys, caps = [names.PACE_SEM_GLOBAL], [limits.max_concurrent]
@@ -187,9 +220,9 @@ class Pacer:
         """
         member = uuid.uuid4().hex
         while not self.try_slot(limits, member):
-            if time.monotonic() >= deadline:
+            if self.clock.monotonic() >= deadline:
                 raise AcquireTimeout("concurrent-create cap: no slot before the deadline")
-            time.sleep(0.02 + random.random() * 0.03)
+            self.clock.sleep(0.02 + random.random() * 0.03)
         try:
             self.take(limits, deadline=deadline)
             yield

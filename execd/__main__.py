@@ -12,7 +12,7 @@ import shutil
 import signal
 import sys
 import threading
-from typing import List, Optional, Tuple
+from typing import Any, Iterable, List, Optional, Tuple
 
 from . import __version__
 from . import rundir as rundir_mod
@@ -66,7 +66,7 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def scrub_environ(names) -> None:
+def scrub_environ(names: Iterable[str]) -> None:
     """Overwrite the values in the process's original environment block.
 
     ``os.environ.pop`` only unlinks the variable: /proc/<pid>/environ keeps
@@ -150,7 +150,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         args.listen, app, idle_timeout=args.idle_timeout, request_timeout=args.request_timeout
     )
 
-    def stop(signum, _frame):
+    def stop(signum: int, _frame: Any) -> None:
         log.info("signal %d: shutting down", signum)
         threading.Thread(target=server.shutdown, daemon=True).start()
 

@@ -8,26 +8,32 @@ refused from its Content-Length alone.
 import hmac
 import os
 import time
-from typing import Callable, Dict, Tuple
+from typing import Callable, Dict, Tuple, Union
 
 from . import __version__, errors, files, validate
 from .output import DEFAULT_MAX_OUTPUT
-from .server import Request, Response
+from .server import BodyReader, Request, Response
 from .shell import Shell
+from .state import StateKeeper
+from .validate import Doc
 
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 WRITE = "/v1/files/write"
 
+Handler = Callable[[Doc], Union[Doc, Response]]
+
 
 class App:
-    def __init__(self, token: bytes, shell: Shell, state, max_body: int, umask: int) -> None:
+    def __init__(
+        self, token: bytes, shell: Shell, state: StateKeeper, max_body: int, umask: int
+    ) -> None:
         self._token = token
         self.shell = shell
         self.state = state
         self.max_body = max_body
         self.umask = umask
         self.started = time.time()
-        self.routes: Dict[str, Tuple[str, Callable]] = {
+        self.routes: Dict[str, Tuple[str, Handler]] = {
             "/healthz": ("GET", self.healthz),
             "/v1/info": ("GET", self.info),
             "/v1/exec": ("POST", self.exec_),
@@ -41,7 +47,7 @@ class App:
             "/v1/restore": ("POST", self.restore),
         }
 
-    def __call__(self, req: Request, read_body: Callable) -> Response:
+    def __call__(self, req: Request, read_body: BodyReader) -> Response:
         if req.path == "/healthz" and req.method == "GET":
             return Response(200, self.healthz({}))
         self._authenticate(req)
@@ -74,10 +80,10 @@ class App:
 
     # ---- handlers --------------------------------------------------------------
 
-    def healthz(self, _doc) -> dict:
+    def healthz(self, _doc: Doc) -> Doc:
         return {"ok": True, "version": __version__}
 
-    def info(self, _doc) -> dict:
+    def info(self, _doc: Doc) -> Doc:
         out = {
             "version": __version__,
             "pid": os.getpid(),
@@ -87,19 +93,19 @@ class App:
         out["orphans_reaped"] = self.shell.reaper.orphans_reaped
         return out
 
-    def heartbeat(self, _doc) -> dict:
+    def heartbeat(self, _doc: Doc) -> Doc:
         return {"ok": True, "uptime_s": round(time.time() - self.started, 3)}
 
-    def exec_(self, doc) -> dict:
+    def exec_(self, doc: Doc) -> Doc:
         command = validate.string(doc, "command", nul_ok=False)
         timeout = validate.number(doc, "timeout", 300.0, 0.0, MAX_TIMEOUT_S)
         cap = validate.integer(doc, "max_output_bytes", DEFAULT_MAX_OUTPUT, 0, 1 << 30)
         return self.shell.run(command, timeout, cap)
 
-    def read(self, doc) -> Response:
+    def read(self, doc: Doc) -> Response:
         return files.read_response(validate.abs_path(doc))
 
-    def write(self, doc) -> dict:
+    def write(self, doc: Doc) -> Doc:
         path = validate.abs_path(doc)
         text = doc.get("content_b64")
         if not isinstance(text, memoryview):  # not already split out of a big body
@@ -107,20 +113,20 @@ class App:
         mode = validate.integer(doc, "mode", None, 0, 0o7777)
         return files.write_atomic(path, files.b64_pieces(text), mode, self.umask)
 
-    def edit(self, doc) -> dict:
+    def edit(self, doc: Doc) -> Doc:
         path = validate.abs_path(doc)
         old = validate.string(doc, "old")
         new = validate.string(doc, "new")
         return files.edit_file(path, old, new, self.umask)
 
-    def reset(self, _doc) -> dict:
+    def reset(self, _doc: Doc) -> Doc:
         return {"ok": True, "killed": self.shell.reset()}
 
-    def baseline(self, doc) -> dict:
+    def baseline(self, doc: Doc) -> Doc:
         return self.state.baseline(doc)
 
-    def state_check(self, doc) -> dict:
+    def state_check(self, doc: Doc) -> Doc:
         return self.state.check(doc)
 
-    def restore(self, doc) -> dict:
+    def restore(self, doc: Doc) -> Doc:
         return self.state.restore(doc)

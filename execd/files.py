@@ -15,11 +15,12 @@ import errno
 import hashlib
 import os
 import stat
-from typing import Iterable, Iterator, Optional, Tuple, Union
+from typing import Iterable, Iterator, List, Optional, Tuple, Union
 
 from . import errors
 from .edit import SHELL_HINT, apply_edit
 from .server import Close, Response
+from .validate import Doc
 
 STREAM_OVER = 4 * 1024 * 1024  # larger reads are streamed, not built in memory
 PIECE = 3 * 1024 * 1024  # a multiple of 3: base64 pieces concatenate cleanly
@@ -53,7 +54,7 @@ def _open_regular(path: str) -> Tuple[int, os.stat_result]:
 
 
 def _read_all(fd: int) -> bytes:
-    chunks = []
+    chunks: List[bytes] = []
     while True:
         data = os.read(fd, 1 << 20)
         if not data:
@@ -140,7 +141,7 @@ def b64_pieces(text: Union[str, memoryview]) -> Iterator[bytes]:
 
 def write_atomic(
     path: str, data: Union[bytes, Iterable[bytes]], mode: Optional[int], umask: int
-) -> dict:
+) -> Doc:
     """Write ``data`` (bytes, or pieces of it) to ``path`` atomically."""
     if path.endswith("/"):
         raise errors.BadRequest("path names a directory: %s" % path, "is_directory")
@@ -212,7 +213,7 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def edit_file(path: str, old: str, new: str, umask: int) -> dict:
+def edit_file(path: str, old: str, new: str, umask: int) -> Doc:
     fd, st = _open_regular(path)
     try:
         if st.st_size > MAX_EDIT_BYTES:

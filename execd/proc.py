@@ -12,7 +12,7 @@ import contextlib
 import os
 import signal
 import time
-from typing import Dict, Iterable, List, NamedTuple, Optional, Set
+from typing import Callable, Dict, Iterable, List, NamedTuple, Optional, Set
 
 
 class ProcInfo(NamedTuple):
@@ -21,6 +21,10 @@ class ProcInfo(NamedTuple):
     pgid: int
     state: str
     start: int  # clock ticks since boot: (pid, start) names a process uniquely
+
+
+# pid -> its /proc/<pid>/stat, one snapshot of the process table
+Table = Dict[int, ProcInfo]
 
 
 def read_stat(pid: int) -> Optional[ProcInfo]:
@@ -112,7 +116,7 @@ def _signal_all(pids: Iterable[int], sig: int) -> None:
             os.kill(pid, sig)
 
 
-def kill_tree(select, rounds: int = 5) -> int:
+def kill_tree(select: Callable[[Table], Set[int]], rounds: int = 5) -> int:
     """Freeze then kill the processes ``select(table)`` returns; returns how many.
 
     ``select`` is re-evaluated on a fresh table each round so children forked

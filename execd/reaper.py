@@ -14,7 +14,7 @@ import ctypes
 import logging
 import os
 import threading
-from typing import Callable, Dict
+from typing import Any, Callable, Dict, List, Mapping
 
 log = logging.getLogger("execd.reaper")
 
@@ -55,7 +55,14 @@ class Reaper:
     def start(self) -> None:
         threading.Thread(target=self._loop, name="reaper", daemon=True).start()
 
-    def spawn(self, path, argv, env, on_exit: Callable[[int], None], **kwargs) -> int:
+    def spawn(
+        self,
+        path: str,
+        argv: List[str],
+        env: Mapping[str, str],
+        on_exit: Callable[[int], None],
+        **kwargs: Any,
+    ) -> int:
         """posix_spawn a child whose exit status goes to ``on_exit(code)``."""
         with self._lock:
             pid = os.posix_spawn(path, argv, env, **kwargs)

@@ -17,7 +17,7 @@ import socket
 import socketserver
 import threading
 import time
-from typing import Callable, Dict, Iterable, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, Optional, Tuple
 
 from . import errors
 
@@ -51,7 +51,7 @@ class Request:
         self.path = path
         self.headers = headers
         self.keep_alive = keep_alive
-        self.body = b""
+        self.body: Optional[bytes] = b""  # None: not read (yet)
 
 
 class Response:
@@ -60,7 +60,11 @@ class Response:
     __slots__ = ("chunks", "length", "status")
 
     def __init__(
-        self, status: int, body=None, chunks: Optional[Iterable[bytes]] = None, length: int = 0
+        self,
+        status: int,
+        body: Any = None,
+        chunks: Optional[Iterable[bytes]] = None,
+        length: int = 0,
     ) -> None:
         self.status = status
         if chunks is None:
@@ -68,6 +72,11 @@ class Response:
             chunks, length = (data,), len(data)
         self.chunks = chunks
         self.length = length
+
+
+# How the app reads a request's body once it has accepted the route: (request, limit).
+BodyReader = Callable[[Request, int], bytes]
+Application = Callable[[Request, BodyReader], Response]
 
 
 def error_response(exc: errors.ExecdError) -> Response:
@@ -232,7 +241,7 @@ class Server(socketserver.ThreadingMixIn, socketserver.TCPServer):
     def __init__(
         self,
         address: Tuple[str, int],
-        app: Callable,
+        app: Application,
         idle_timeout: float = 300.0,
         request_timeout: float = 60.0,
         max_connections: int = 256,
@@ -244,7 +253,7 @@ class Server(socketserver.ThreadingMixIn, socketserver.TCPServer):
         self._slots = threading.BoundedSemaphore(max_connections)
         super().__init__(address, Handler)
 
-    def process_request(self, request, client_address) -> None:
+    def process_request(self, request: Any, client_address: Any) -> None:
         if not self._slots.acquire(blocking=False):
             with contextlib.suppress(OSError):
                 request.sendall(
@@ -255,10 +264,10 @@ class Server(socketserver.ThreadingMixIn, socketserver.TCPServer):
             return
         super().process_request(request, client_address)
 
-    def handle_error(self, request, client_address) -> None:
+    def handle_error(self, request: Any, client_address: Any) -> None:
         log.exception("connection from %s failed", client_address[0])
 
-    def process_request_thread(self, request, client_address) -> None:
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:
             super().process_request_thread(request, client_address)
         finally:

@@ -17,7 +17,7 @@ import select
 import signal
 import threading
 import time
-from typing import Dict, Optional, Set
+from typing import Dict, List, Optional, Set, Tuple
 
 from . import bashproto, proc
 from .output import BoundedCapture
@@ -194,7 +194,7 @@ class Session:
                 self._read_until(call, time.monotonic() + 5)
                 return
 
-    def _call_procs(self, table, before: Set[int], call_id: int) -> Set[int]:
+    def _call_procs(self, table: proc.Table, before: Set[int], call_id: int) -> Set[int]:
         """The processes a call started, wherever they went.
 
         A process carrying this call's SANDMAN_EXECD_CALL is the call's; one
@@ -292,7 +292,7 @@ class Session:
                 self._pump_polling = False
             self._handle(poller, events)
 
-    def _new_poller(self, extra: int):
+    def _new_poller(self, extra: int) -> "select.poll":
         poller = select.poll()
         for fd in (self._out_r, self._err_r, self._ctl_r, extra):
             poller.register(fd, select.POLLIN)
@@ -328,7 +328,7 @@ class Session:
             self._handle(self._poller, self._poller.poll(min(left, 3600.0) * 1000))
         return True
 
-    def _handle(self, poller, events) -> None:
+    def _handle(self, poller: "select.poll", events: List[Tuple[int, int]]) -> None:
         with self._mu:
             for fd in self._eof:
                 with contextlib.suppress(KeyError):

@@ -7,9 +7,12 @@ of the baseline, so a baseline taken after setup commands is restored too.
 """
 
 import hashlib
-from typing import Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 from . import bashproto
+
+if TYPE_CHECKING:  # shell imports the session, which must not import it back at run time
+    from .shell import Shell
 
 SEP = "\x1e"  # ASCII record separator: never in pwd, declare output is quoted
 CAPTURE = (
@@ -19,11 +22,11 @@ CAPTURE = (
 IGNORED = {bashproto.CALL_VAR, "_"}
 
 
-class SessionState(dict):
+class SessionState(Dict[str, Any]):
     """{"cwd": str, "env": {name: value}, "shape": digest}"""
 
 
-def capture(shell) -> Optional[SessionState]:
+def capture(shell: "Shell") -> Optional[SessionState]:
     status, out = shell.query(CAPTURE)
     parts = out.decode("utf-8", "surrogateescape").split(SEP)
     if status != 0 or len(parts) != 3:

@@ -16,6 +16,7 @@ from typing import Dict, Optional, Tuple
 from . import errors, proc
 from .reaper import Reaper
 from .session import Call, Session, SessionError
+from .validate import Doc
 
 log = logging.getLogger("execd.shell")
 
@@ -84,7 +85,7 @@ class Shell:
             self._discard()
         return call, restarted
 
-    def run(self, command: str, timeout: float, cap: int) -> dict:
+    def run(self, command: str, timeout: float, cap: int) -> Doc:
         with self.lock:
             started = time.monotonic()
             call, restarted = self._run(command, timeout, cap)
@@ -136,7 +137,7 @@ class Shell:
             self._restart_pending = False
             self._ensure()
 
-    def info(self) -> dict:
+    def info(self) -> Doc:
         session = self.session
         return {
             "session_pid": None if session is None or session.dead else session.pid,

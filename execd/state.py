@@ -25,26 +25,38 @@ import os
 import shutil
 import threading
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Set, Tuple
 
 from . import errors, proc, sessionstate, treescan, validate
+from .shell import Shell
+from .validate import Doc
 
 MAX_ITEMS = 200
 
 
 class Baseline:
-    def __init__(self, *, root, watch, skip, tree, watched, procs, session) -> None:
-        self.root: str = root
-        self.watch: List[str] = watch
-        self.skip: Dict[str, List[str]] = skip
-        self.tree: treescan.Tree = tree
-        self.watched: Dict[str, treescan.Tree] = watched
-        self.procs: Dict[Tuple[int, int], str] = procs
+    def __init__(
+        self,
+        *,
+        root: str,
+        watch: List[str],
+        skip: Dict[str, List[str]],
+        tree: treescan.Tree,
+        watched: Dict[str, treescan.Tree],
+        procs: Dict[Tuple[int, int], str],
+        session: sessionstate.SessionState,
+    ) -> None:
+        self.root = root
+        self.watch = watch
+        self.skip = skip
+        self.tree = tree
+        self.watched = watched
+        self.procs = procs
         self.session = session
 
 
 class StateKeeper:
-    def __init__(self, shell, workdir: str, rundir: str) -> None:
+    def __init__(self, shell: Shell, workdir: str, rundir: str) -> None:
         self.shell = shell
         self.workdir = workdir
         self.rundir = rundir
@@ -68,7 +80,7 @@ class StateKeeper:
             mine.discard(session.pid)
         return {(p, table[p].start): proc.cmdline(p) for p in mine if p in table}
 
-    def baseline(self, doc) -> dict:
+    def baseline(self, doc: Doc) -> Doc:
         root = os.path.normpath(validate.abs_path(doc, "root", self.workdir))
         watch = doc.get("watch", [])
         exclude = doc.get("exclude", [])
@@ -112,9 +124,9 @@ class StateKeeper:
 
     # ---- compare -----------------------------------------------------------
 
-    def _compare(self, base: Baseline) -> Tuple[List[dict], List[dict], dict]:
-        restorable: List[dict] = []
-        blocked: List[dict] = []
+    def _compare(self, base: Baseline) -> Tuple[List[Doc], List[Doc], Doc]:
+        restorable: List[Doc] = []
+        blocked: List[Doc] = []
         cur_tree = treescan.scan(base.root, base.skip[base.root], base.tree)
         for change, rel, ok in treescan.diff(base.tree, cur_tree):
             item = {"area": "files", "change": change, "path": _join(base.root, rel)}
@@ -140,7 +152,7 @@ class StateKeeper:
             raise errors.Conflict("no baseline recorded: POST /v1/baseline first", "no_baseline")
         return self.base
 
-    def check(self, _doc) -> dict:
+    def check(self, _doc: Doc) -> Doc:
         started = time.monotonic()
         with self._lock:
             restorable, blocked, _ = self._compare(self._need_base())
@@ -148,7 +160,7 @@ class StateKeeper:
 
     # ---- restore -----------------------------------------------------------
 
-    def restore(self, _doc) -> dict:
+    def restore(self, _doc: Doc) -> Doc:
         started = time.monotonic()
         with self._lock:
             base = self._need_base()
@@ -167,7 +179,7 @@ class StateKeeper:
         out["failed"] = sum(1 for ok in done if not ok)
         return out
 
-    def _undo(self, base: Baseline, item: dict, cur: dict) -> bool:
+    def _undo(self, base: Baseline, item: Doc, cur: Doc) -> bool:
         try:
             if item["area"] == "processes":
                 return self._kill(item["pid"], cur["procs"])
@@ -178,7 +190,7 @@ class StateKeeper:
     def _kill(self, pid: int, procs: Dict[Tuple[int, int], str]) -> bool:
         starts = {key[1] for key in procs if key[0] == pid}
 
-        def select(table):
+        def select(table: proc.Table) -> Set[int]:
             if pid in table and table[pid].start in starts:
                 return {pid} | proc.descendants(table, [pid])
             return set()
@@ -228,7 +240,7 @@ def _undo_file(base: Baseline, change: str, path: str) -> bool:
     return False
 
 
-def _report(restorable: List[dict], blocked: List[dict], started: float) -> dict:
+def _report(restorable: List[Doc], blocked: List[Doc], started: float) -> Doc:
     return {
         "clean": not restorable and not blocked,
         "restorable_count": len(restorable),

@@ -8,6 +8,9 @@ from .errors import BadRequest
 
 _MISSING = object()
 
+# A parsed JSON object: request bodies and the answers built for them.
+Doc = Dict[str, Any]
+
 
 def parse_json(body: bytes) -> Dict[str, Any]:
     if not body.strip():
@@ -113,7 +116,7 @@ def number(doc: Dict[str, Any], name: str, default: float, lo: float, hi: float)
 
 
 def abs_path(doc: Dict[str, Any], name: str = "path", default: Optional[str] = None) -> str:
-    value = string(doc, name, default if default is not None else _MISSING, nul_ok=False)
+    value: str = string(doc, name, default if default is not None else _MISSING, nul_ok=False)
     if not value.startswith("/"):
         raise BadRequest("field %r must be an absolute path" % name, "relative_path")
     return value

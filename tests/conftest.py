@@ -8,14 +8,14 @@ always the one Alembic builds, never ``create_all``.
 from __future__ import annotations
 
 import os
-import secrets
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-# Fixtures shared across feature folders (execd daemons, the admin app over a fake backend).
-pytest_plugins = ["tests.support.execd_daemon", "tests.support.web_app"]
+# Fixtures shared across feature folders (execd daemons, the admin app over a fake backend),
+# and the environment scrub that runs before any of them reads SANDMAN_* variables.
+pytest_plugins = ["tests.support.env", "tests.support.execd_daemon", "tests.support.web_app"]
 
 TIERS = ("unit", "integration", "cluster")
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
@@ -56,20 +56,12 @@ def service_urls(sandman_settings):  # type: ignore[no-untyped-def]
 @pytest.fixture(scope="session")
 def database_url(service_urls) -> Iterator[str]:  # type: ignore[no-untyped-def]
     """A fresh database for this test session, migrated to head by Alembic."""
-    import psycopg
-
     from broker.ledger.migrate import upgrade
+    from tests.support.databases import fresh_database
 
-    base = service_urls.database_url
-    name = f"sandman_test_{secrets.token_hex(4)}"
-    admin = base.replace("postgresql+psycopg://", "postgresql://").rsplit("/", 1)[0] + "/postgres"
-    with psycopg.connect(admin, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    url = base.rsplit("/", 1)[0] + "/" + name
-    upgrade(url)
-    yield url
-    with psycopg.connect(admin, autocommit=True) as conn:
-        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    with fresh_database(service_urls.database_url) as url:
+        upgrade(url)
+        yield url
 
 
 @pytest.fixture(scope="session")

@@ -11,10 +11,10 @@
 #            python3.11, bash, git, ca-certificates, procps), shared with the task images
 #   layer 2  /opt/sandman/venv: a venv made by the image's own python3.11 in a chroot,
 #            with the project wheel and its dependencies installed offline
-#            (pip install --no-index --find-links); migrations/ and alembic.ini copied
-#            into site-packages, next to the broker package, where broker/ledger/migrate.py
-#            looks for them (execd/ is a package of the wheel, where broker/backends/kube/podspec.py
-#            looks for it); user sandman uid/gid 10001; /var/lib/sandman owned by it.
+#            (pip install --no-index --find-links); the wheel carries the Alembic scripts
+#            as broker/ledger/migrations (where broker/ledger/migrate.py finds them) and
+#            execd/ as a package (where broker/backends/kube/podspec.py looks for it);
+#            user sandman uid/gid 10001; /var/lib/sandman owned by it.
 #
 # Caches (outside the repo, keyed by content hashes of their inputs):
 #   $CACHE/broker-image/wheelhouse-<deps hash>/   dependency wheels (cp311, manylinux)
@@ -49,7 +49,7 @@ fi
 # ---------------- content hash of every input ----------------
 # Sources: tracked and untracked (not ignored) files of the packages, plus build files.
 mapfile -t SRC < <(cd "$REPO_ROOT" && git ls-files -co --exclude-standard -- \
-  broker workers execd web migrations alembic.ini pyproject.toml README.md \
+  broker workers execd web migrations pyproject.toml setup.py README.md \
   | grep -v -E '(__pycache__|\.pyc$)' | sort -u)
 DEPS_HASH="$( { echo async-timeout; sed -n '/^dependencies = \[/,/^\]/p' "$REPO_ROOT/pyproject.toml"; echo cp311-manylinux_2_36; } \
   | sha256sum | cut -c1-16)"
@@ -156,34 +156,27 @@ else
   tar -C "$R" -xf "$DEPS_LAYER"
 fi
 
-# ---------------- layer 3: the project (wheel, migrations, alembic.ini) -----------------
+# ---------------- layer 3: the project (the wheel, migrations included) -----------------
 log "installing the project wheel"
 touch "$W/marker" && sleep 1
 chroot_pip --no-deps "/wheels/$(basename "$PROJECT_WHEEL")" || die "pip install of the project failed"
 SITE="$R/opt/sandman/venv/lib/python3.11/site-packages"
 [[ -d "$SITE/broker" && -d "$SITE/execd" ]] || die "broker/execd not installed in $SITE"
-rm -rf "$SITE/migrations" && cp -a "$REPO_ROOT/migrations" "$SITE/migrations"
-cp "$REPO_ROOT/alembic.ini" "$R/opt/sandman/alembic.ini"
-find "$SITE/migrations" -name __pycache__ -prune -exec rm -rf {} +
-# cp -a kept the checkout's mtimes: make them new, or the layer (files newer than the
-# marker) would silently leave the migrations out
-find "$SITE/migrations" "$R/opt/sandman/alembic.ini" -exec touch {} +
-chroot "$R" /opt/sandman/venv/bin/python -m compileall -q /opt/sandman/venv/lib/python3.11/site-packages/migrations >/dev/null
 # smoke test inside the chroot: entry point, migrations and execd where the code looks
 chroot "$R" /opt/sandman/venv/bin/python -c '
 import broker.ledger.migrate as m, broker.backends.kube.podspec as p
-assert (m._MIGRATIONS / "env.py").is_file(), m._MIGRATIONS
+assert (m.migrations_dir() / "env.py").is_file(), m.migrations_dir()
 assert p.execd_files(), p.EXECD_DIR
-' || die "image layout check failed (migrations/ or execd/ not where the code looks)"
+' || die "image layout check failed (the wheel's migrations or execd not where the code looks)"
 chroot "$R" /opt/sandman/venv/bin/sandman --version >&2
 (cd "$R" && find ./opt -newer "$W/marker" | sort) > "$W/app.list"
 tar --numeric-owner --no-recursion --mtime=@1704067200 -C "$R" -cf "$W/layer.tar" -T "$W/app.list"
 # the layer itself must carry what the code looks for (the chroot check above cannot tell)
-for want in site-packages/migrations/env.py site-packages/execd/__init__.py site-packages/broker/migrate.py bin/sandman; do
+for want in site-packages/broker/ledger/migrations/env.py site-packages/execd/__init__.py site-packages/broker/ledger/migrate.py bin/sandman; do
   grep -q "/$want\$" "$W/app.list" || die "the project layer lacks $want"
 done
 nvers="$(find "$REPO_ROOT/migrations/versions" -name '*.py' | wc -l)"
-[[ "$(grep -c 'site-packages/migrations/versions/[^/]*\.py$' "$W/app.list")" -eq "$nvers" ]] \
+[[ "$(grep -c 'site-packages/broker/ledger/migrations/versions/[^/]*\.py$' "$W/app.list")" -eq "$nvers" ]] \
   || die "the project layer lacks some of the $nvers migration versions"
 
 log "packing $TAG"

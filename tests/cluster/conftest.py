@@ -12,14 +12,14 @@ import os
 import secrets
 import signal
 import subprocess
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from bench import kwok
+from tests.support.wait import wait_until
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 UP_SCRIPT = REPO_ROOT / "deploy" / "localcluster" / "up.sh"
@@ -93,20 +93,6 @@ def core_v1(k8s_api_client: Any) -> Any:
     from kubernetes import client
 
     return client.CoreV1Api(k8s_api_client)
-
-
-def wait_until(
-    predicate: Callable[[], Any], timeout: float, interval: float = 0.5, what: str = ""
-) -> Any:
-    """Poll ``predicate`` until it returns a truthy value; fail the test on timeout."""
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = predicate()
-        if last:
-            return last
-        time.sleep(interval)
-    pytest.fail(f"timed out after {timeout}s waiting for {what or predicate} (last={last!r})")
 
 
 def default_sa_exists(core_v1: Any, namespace: str) -> bool:

@@ -24,7 +24,8 @@ from typing import Any
 
 import pytest
 
-from tests.cluster.conftest import IN_CI, REAL_NODE_SELECTOR, TASK_BASE_IMAGE, wait_until
+from tests.cluster.conftest import IN_CI, REAL_NODE_SELECTOR, TASK_BASE_IMAGE
+from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.cluster
 

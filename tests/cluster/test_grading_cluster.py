@@ -27,12 +27,8 @@ from broker.grading import GradeConfig, Grader, GradingClient, Verdict, load_tas
 from broker.grading.api import broker_acquire
 from broker.grading.seam import SandboxRequest
 from broker.ledger import store
-from tests.cluster.conftest import (
-    REAL_NODE_SELECTOR,
-    SWE_TASK_IMAGE,
-    default_sa_exists,
-    wait_until,
-)
+from tests.cluster.conftest import REAL_NODE_SELECTOR, SWE_TASK_IMAGE, default_sa_exists
+from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.cluster
 

@@ -23,8 +23,8 @@ from tests.cluster.conftest import (
     REPO_ROOT,
     SWE_TASK_IMAGE,
     TASK_BASE_IMAGE,
-    wait_until,
 )
+from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.cluster
 

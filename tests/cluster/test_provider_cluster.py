@@ -29,8 +29,8 @@ from broker.wire.request import AcquireRequest
 from tests.cluster.conftest import (
     REAL_NODE_SELECTOR,
     TASK_BASE_IMAGE,
-    wait_until,
 )
+from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.cluster
 

@@ -11,10 +11,11 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+
+from tests.support.wait import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -128,15 +129,15 @@ class Daemon:
         self._clients = []
 
     def _wait_port(self) -> int:
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
+        def listening() -> int:
             m = re.search(r"listening on [^ ]+:(\d+)", self.log())
             if m:
                 return int(m.group(1))
             if self.proc.poll() is not None:
-                raise RuntimeError(f"execd exited: {self.log()}")
-            time.sleep(0.02)
-        raise RuntimeError(f"execd did not start: {self.log()}")
+                pytest.fail(f"execd exited: {self.log()}")
+            return 0
+
+        return wait_until(listening, 20, interval=0.02, what=f"execd to listen ({self.log_path})")
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")

@@ -15,6 +15,7 @@ from broker.backends.local import LocalBackend, _children, _proc_start
 from broker.errors import GuardMissing, KubeConflict
 from broker.settings import Settings
 from broker.wire.execd import execd_answers
+from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -133,10 +134,12 @@ def test_creator_reaps_sandboxes_deleted_by_another_process(backend: LocalBacken
     meta = backend._load("sm-reap-1")
     assert meta is not None and meta["pid"] in _children
     os.killpg(int(meta["pid"]), signal.SIGKILL)
-    deadline = time.monotonic() + 10
-    while int(meta["pid"]) not in _zombies_of(os.getpid()):
-        assert time.monotonic() < deadline, "the killed sandbox never became our zombie"
-        time.sleep(0.05)
+    wait_until(
+        lambda: int(meta["pid"]) in _zombies_of(os.getpid()),
+        10,
+        0.05,
+        "the killed sandbox to become our zombie",
+    )
     backend.create(_spec("sm-reap-2", nonce="n-2"))  # any later create sweeps
     assert int(meta["pid"]) not in _children
     assert int(meta["pid"]) not in _zombies_of(os.getpid())

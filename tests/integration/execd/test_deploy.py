@@ -6,12 +6,12 @@ import signal
 import stat
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
 
 from tests.support.execd_daemon import REPO, Daemon, oldest_python, proc_children
+from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -112,16 +112,10 @@ def test_as_pid_1_reaps_orphans_and_stops_on_sigterm(tmp_path):
             "for f in /proc/[0-9]*/stat; do read -r l < $f 2>/dev/null; "
             's=${l##*) }; [ "${s%% *}" = Z ] && echo $f; done; true'
         )
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:
-            r = c.exec(zombies)
-            if r["stdout"] == "":
-                break
-            time.sleep(0.1)
-        assert r["stdout"] == ""
-        while c.request("GET", "/v1/info")[1]["orphans_reaped"] < 3:  # each sleep, at least
-            assert time.monotonic() < deadline + 5
-            time.sleep(0.05)
+        wait_until(lambda: c.exec(zombies)["stdout"] == "", 30, 0.1, "no zombies")
+        wait_until(  # each sleep, at least
+            lambda: c.request("GET", "/v1/info")[1]["orphans_reaped"] >= 3, 30, 0.05, "reaping"
+        )
         execd_host_pid = next(p for p, _ in proc_children(d.proc.pid))
         os.kill(execd_host_pid, signal.SIGTERM)
         assert d.proc.wait(10) == 0  # unshare exits with its child's status

@@ -1,6 +1,7 @@
 """The /v1/exec contract, driven over HTTP against a real daemon."""
 
 import os
+import secrets
 import threading
 import time
 
@@ -99,9 +100,9 @@ def test_non_utf8_output_never_crashes(client):
     ],
 )
 def test_stdin_is_eof(client, command):
-    started = time.monotonic()
     r = client.exec(command, timeout=10)
-    assert not r["timed_out"] and time.monotonic() - started < 5
+    # stdin at EOF: the command ends by itself, with success, instead of waiting for input
+    assert not r["timed_out"] and r["exit_code"] == 0
 
 
 def test_exit_n_returns_n_and_next_call_restarts(client):
@@ -183,10 +184,11 @@ def test_large_command_text(client):
 
 def test_timeout_kills_and_keeps_session(client, tmp_path):
     client.exec(f"cd {tmp_path}; export KEEP=yes")
-    started = time.monotonic()
-    r = client.exec("echo partial; echo perr >&2; sleep 30; echo never", timeout=0.5)
-    assert time.monotonic() - started < 5
+    marker = f"30.{secrets.randbelow(10**6):06d}"  # names this test's sleep among all processes
+    r = client.exec(f"echo partial; echo perr >&2; sleep {marker}; echo never", timeout=0.5)
     assert r["timed_out"] is True and r["exit_code"] is None
+    # the command was killed, not left running behind the answer
+    assert client.exec(f"pgrep -f 'sleep {marker}' || echo gone")["stdout"] == "gone\n"
     assert r["stdout"] == "partial\n" and r["stderr"].startswith("perr\n")
     after = client.exec("pwd; echo $KEEP")
     assert after["stdout"] == f"{tmp_path}\nyes\n" and not after["session_restarted"]
@@ -340,10 +342,9 @@ def test_reset_interrupts_a_running_command(fresh_daemon):
     t = threading.Thread(target=lambda: result.update(c1.exec("sleep 100; sleep 100", timeout=300)))
     t.start()
     time.sleep(0.5)
-    started = time.monotonic()
     assert c2.post("/v1/reset")["killed"] >= 1
-    t.join(10)
-    assert not t.is_alive() and time.monotonic() - started < 5
+    t.join(60)
+    assert not t.is_alive()  # the running exec answered: its command was interrupted
     assert result["exit_code"] is not None and result["exit_code"] >= 128
     assert c2.exec("echo fresh")["stdout"] == "fresh\n"
 

@@ -86,9 +86,10 @@ def test_body_over_limit_refused_before_reading(daemon):
         f"POST /v1/exec HTTP/1.1\r\nAuthorization: Bearer {daemon.token}\r\n"
         f"Content-Length: {200 * 1024 * 1024}\r\n\r\n"
     ).encode()
-    started = time.monotonic()
-    resp = raw(daemon, head)  # no body is ever sent: the answer must not wait for it
-    assert status_of(resp) == 413 and time.monotonic() - started < 3
+    # no body is ever sent: an answer at all (before raw's socket timeout) means the
+    # server refused from Content-Length alone
+    resp = raw(daemon, head)
+    assert status_of(resp) == 413
     assert b"payload_too_large" in resp
 
 
@@ -111,11 +112,13 @@ def test_length_required(daemon):
 
 
 def test_keep_alive_many_calls_one_connection(client):
-    started = time.monotonic()
+    client.exec("true")
+    sock = client.conn.sock
     for i in range(100):
         assert client.exec(f"echo {i}")["stdout"] == f"{i}\n"
-    # Without TCP_NODELAY each keep-alive call would stall ~40 ms on delayed ACKs.
-    assert time.monotonic() - started < 3.5
+    assert client.conn.sock is sock  # never reconnected
+    # The round-trip time (TCP_NODELAY: no ~40 ms delayed-ACK stalls) is measured by
+    # bench/execd_bench.py, against a raw pipe in the same run.
 
 
 def test_max_body_flag(tmp_path):
@@ -238,13 +241,10 @@ def test_slow_and_idle_clients_are_cut_off(tmp_path):
     try:
         with socket.create_connection(("127.0.0.1", d.port), timeout=5) as s:
             s.sendall(b"POST /v1/exec HTTP/1.1\r\nHost: x\r\n")  # ...and never finishes
-            started = time.monotonic()
-            assert s.recv(100) == b""  # closed by the server
-            assert time.monotonic() - started < 3
+            # closed by the server (a recv still waiting at the 5 s socket timeout raises)
+            assert s.recv(100) == b""
         with socket.create_connection(("127.0.0.1", d.port), timeout=5) as s:
-            started = time.monotonic()
             assert s.recv(100) == b""  # idle connection closed
-            assert time.monotonic() - started < 3
     finally:
         d.stop()
 

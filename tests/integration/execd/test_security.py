@@ -10,7 +10,6 @@ from __future__ import annotations
 import http.client
 import socket
 import threading
-import time
 
 import pytest
 
@@ -91,9 +90,9 @@ def test_many_slow_clients_do_not_starve_a_trainer(tmp_path):
             s.sendall(b"POST /v1/exec HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
             socks.append(s)
         c = d.client()
-        started = time.monotonic()
+        # answered while every stalled connection still holds its slot (its 2 s request
+        # timeout has not cut it off: the client's own timeout would fail this first)
         assert c.exec("echo alive")["stdout"] == "alive\n"
-        assert time.monotonic() - started < 5
         closed = []
 
         def drain(s: socket.socket) -> None:

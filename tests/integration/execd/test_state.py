@@ -1,7 +1,6 @@
 """Baseline, state check and restore over HTTP."""
 
 import os
-import time
 
 import pytest
 
@@ -144,16 +143,14 @@ def test_exclude_and_bad_arguments(ws):
     assert c.request("POST", "/v1/baseline", {"root": str(root / "nope")})[0] == 404
 
 
-def test_baseline_and_check_are_fast(ws):
+def test_baseline_and_check_over_a_thousand_files(ws):
+    """Their speed is measured by bench/execd_bench.py (10,000 files); here: correctness."""
     _, c, root = ws
     big = root / "many"
     for d in range(10):
         (big / str(d)).mkdir(parents=True)
         for f in range(100):
             (big / str(d) / f"f{f}.py").write_text(f"x = {d * f}\n" * 20)
-    started = time.monotonic()
     b = c.post("/v1/baseline")
-    assert b["files"] >= 1000 and time.monotonic() - started < 5
-    started = time.monotonic()
+    assert b["files"] >= 1000
     assert c.post("/v1/state-check")["clean"] is True
-    assert time.monotonic() - started < 3

@@ -20,7 +20,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -31,6 +30,7 @@ from broker.grading import GradeConfig, Grader, GradingClient, Verdict, extract_
 from broker.grading.direct import DirectSandbox
 from broker.grading.preflight import run_preflight, write_reports
 from broker.grading.seam import SandboxRequest
+from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -97,16 +97,15 @@ def execd(workdir: Path, env: dict[str, str]) -> Iterator[DirectSandbox]:
         start_new_session=True,
     )
     try:
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
+
+        def healthy() -> bool:
             assert proc.poll() is None, "execd exited"
-            assert time.monotonic() < deadline, "execd did not come up"
-            time.sleep(0.05)
+            try:
+                return httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_until(healthy, 20, 0.05, "execd to come up")
         with DirectSandbox(f"127.0.0.1:{port}", token, sandbox_id=f"execd-{port}") as sb:
             sb.process = proc  # type: ignore[attr-defined]
             yield sb

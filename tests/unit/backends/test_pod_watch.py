@@ -19,6 +19,7 @@ from broker.backends.kube import watcher
 from broker.backends.kube.backend import pod_info
 from broker.backends.kube.watcher import PodWatch
 from broker.errors import KubeUnavailable
+from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.unit
 
@@ -65,23 +66,19 @@ def kube() -> FakeKube:
 @pytest.fixture
 def watch(kube: FakeKube) -> Iterator[PodWatch]:
     w = PodWatch(kube, "ns", "sel", lambda p: pod_info(p, 8080))  # type: ignore[arg-type]
-    deadline = time.monotonic() + 5
-    while not w._connected:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    wait_until(lambda: w._connected, 5, 0.01, "the watch to connect")
     yield w
     w.close()
 
 
 def settled(watch: PodWatch, name: str) -> None:
     """Wait until the watch thread has taken in ``name``'s latest event."""
-    deadline = time.monotonic() + 10
-    while True:
+
+    def taken_in() -> bool:
         with watch._lock:
-            if name in watch._latest:
-                return
-        assert time.monotonic() < deadline, f"event for {name} never processed"
-        time.sleep(0.01)
+            return name in watch._latest
+
+    wait_until(taken_in, 10, 0.01, f"the event for {name} to be processed")
 
 
 def reads_of(store: dict[str, PodInfo | None], calls: list[str]) -> Any:
