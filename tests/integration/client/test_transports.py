@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import redis as redis_lib
+from sqlalchemy import select
 
 from broker.client import AsyncSandboxClient, SandboxClient
 from broker.errors import AcquireTimeout, InfrastructureError, SandboxLost, UnknownJob
@@ -252,3 +253,31 @@ def test_failures_are_typed(trainer: Trainer, sessions: Any) -> None:
         assert isinstance(info.value, InfrastructureError)
     finally:
         held.release()
+
+
+def test_a_cancelled_async_wait_gives_up_its_mailbox(stack: Settings, sessions: Any) -> None:
+    """Task cancellation is a give-up like a timeout: the cancel flag is set, so the
+    sandbox the worker makes later is released by the worker, never stranded."""
+    job = _job(sessions, "cancelled", max_live=1)
+    r = redis_lib.Redis.from_url(stack.redis_url)
+
+    async def main() -> None:
+        async with AsyncSandboxClient(stack.redis_url, owner="canceller") as client:
+            held = await client.open(image=IMAGE, job=job, timeout=30)
+            before = set(r.scan_iter("sandman:cancel:*"))
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(client.open(image=IMAGE, job=job, timeout=60), 1.0)
+            assert len(set(r.scan_iter("sandman:cancel:*")) - before) == 1
+            await held.release()
+
+    try:
+        asyncio.run(main())
+        _until(lambda: _live(sessions, job) == 0, "a sandbox of the cancelled acquire stayed")
+    finally:
+        r.close()
+
+
+def _live(sessions: Any, job: str) -> int:
+    with sessions() as session:
+        rows = session.scalars(select(Sandbox).where(Sandbox.job == job)).all()
+        return sum(row.state not in (State.DELETED, State.FAILED) for row in rows)
