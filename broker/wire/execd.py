@@ -16,6 +16,7 @@ client so keep-alive pools are shared. The server side lives in ``execd/api.py``
 
 from __future__ import annotations
 
+import atexit
 import base64
 import functools
 import json
@@ -244,9 +245,12 @@ def shared_http() -> httpx.Client:
 
     Building an httpx client costs milliseconds of CPU (an SSL context), which the
     readiness poll and checked reuse would otherwise pay on every call; httpx clients
-    are thread-safe, so the worker's threads share this one.
+    are thread-safe, so the worker's threads share this one. Closed at exit, so no
+    keep-alive socket outlives the interpreter unclosed.
     """
-    return httpx.Client(timeout=CALL_TIMEOUT_S)
+    client = httpx.Client(timeout=CALL_TIMEOUT_S)
+    atexit.register(client.close)
+    return client
 
 
 def execd_answers(address: str, token: str, *, timeout_s: float = 5.0) -> bool:
