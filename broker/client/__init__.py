@@ -5,7 +5,8 @@ HTTP to execd. It never starts services and imports nothing server-side.
 """
 
 from broker.client.aio import AsyncSandbox, AsyncSandboxClient
-from broker.client.sync import ExecResult, Heartbeats, Sandbox, SandboxClient
+from broker.client.sync import Heartbeats, Sandbox, SandboxClient
+from broker.wire.execd import ExecResult
 
 __all__ = [
     "AsyncSandbox",

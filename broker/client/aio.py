@@ -1,4 +1,4 @@
-"""The asyncio flavour of ``broker.client.sync``: same protocol, same typed errors.
+"""The asyncio transport of the trainer client: the same features and typed errors as sync.
 
     async with AsyncSandboxClient(redis_url) as client:
         async with client.acquire(image=..., job=...) as sb:
@@ -6,135 +6,154 @@
 
 Redis calls use ``redis.asyncio`` and execd calls one shared ``httpx.AsyncClient``
 (keep-alive); only the enqueue goes through Celery's (blocking) producer, in a thread.
+Every decision (messages, claim, mailbox wait, heartbeat schedule) comes from
+``broker.client.core``, as in ``broker.client.sync``: leases are renewed at a third of
+their length by one task per client, group acquires are one publish batch, and a wait
+that times out or is cancelled gives up its mailbox and releases a late lease.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
-import json
-import os
-import socket
+import datetime as dt
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 import httpx
 import redis.asyncio as aredis
+from redis.exceptions import RedisError
 
-from broker.client.sync import (
-    QUEUE_ACQUIRE,
-    QUEUE_RELEASE,
-    ExecResult,
-    SandboxClient,
-    execd_answer,
-)
-from broker.errors import (
-    AcquireTimeout,
-    InvalidRequest,
-    SandboxLost,
-    ServiceUnavailable,
-)
-from broker.names import Task
-from broker.pools.store import _CLAIM_LUA, CLAIM_TTL_S, WarmStore, pool_key
-from broker.wire import mailbox
-from broker.wire.errors import raise_payload_error
-from broker.wire.request import request_body
+from broker.client import core
+from broker.client.enqueue import Enqueuer
+from broker.errors import SandboxLost, SandmanError, ServiceUnavailable
+from broker.wire import mailbox, warm
+from broker.wire.execd import AsyncExecdCalls, Call, Endpoint
 from broker.wire.types import Lease
 
 
-class AsyncSandbox:
+class AsyncSandbox(AsyncExecdCalls):
     """One acquired sandbox; ``await sb.exec(...)`` and friends."""
 
     def __init__(self, client: AsyncSandboxClient, lease: Lease, *, acquire_s: float) -> None:
-        self.client, self.lease, self.id, self.acquire_s = (
-            client,
-            lease,
-            lease.sandbox_id,
-            acquire_s,
-        )
+        self.client = client
+        self.lease = lease
+        self.id = lease.sandbox_id
+        self.acquire_s = acquire_s
         self.released = False
-        self._base = f"http://{lease.address}"
-        self._headers = {"Authorization": f"Bearer {lease.token}"}
-        self._beat: asyncio.Task[None] | None = None
+        self._execd = Endpoint(lease.address, lease.token, who=f"execd of {self.id}")
 
-    async def _call(self, path: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
+    def __repr__(self) -> str:
+        return f"AsyncSandbox({self.id!r}, address={self.lease.address!r})"
+
+    async def __aenter__(self) -> AsyncSandbox:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.release()
+
+    async def _send(self, call: Call) -> dict[str, Any]:
         if self.released:
             raise SandboxLost(f"sandbox {self.id} was already released")
-        try:
-            resp = await self.client.http.post(
-                self._base + path, json=body, headers=self._headers, timeout=timeout
-            )
-        except httpx.TimeoutException as exc:
-            raise SandboxLost(f"execd of {self.id} did not answer {path} in {timeout}s") from exc
-        except httpx.TransportError as exc:
-            raise SandboxLost(f"execd of {self.id} is unreachable: {exc}") from exc
-        return execd_answer(resp, path, f"execd of {self.id}")
+        return await self._execd.send_async(self.client.http, call)
 
-    async def exec(self, command: str, *, timeout: float = 60.0) -> ExecResult:
-        data = await self._call("/v1/exec", {"command": command, "timeout": timeout}, timeout + 15)
-        fields = ExecResult.__dataclass_fields__
-        return ExecResult(**{k: v for k, v in data.items() if k in fields})
-
-    async def read_file(self, path: str) -> bytes:
-        data = await self._call("/v1/files/read", {"path": path}, 60.0)
-        return base64.b64decode(data["content_b64"])
-
-    async def write_file(self, path: str, content: bytes | str) -> int:
-        raw = content.encode() if isinstance(content, str) else content
-        body = {"path": path, "content_b64": base64.b64encode(raw).decode()}
-        return int((await self._call("/v1/files/write", body, 60.0))["size"])
-
-    async def edit(self, path: str, old: str, new: str) -> dict[str, Any]:
-        return await self._call("/v1/files/edit", {"path": path, "old": old, "new": new}, 60.0)
-
-    async def reset(self) -> dict[str, Any]:
-        return await self._call("/v1/reset", {}, 60.0)
-
-    async def healthy(self, timeout: float = 1.0) -> bool:
-        try:
-            resp = await self.client.http.get(
-                self._base + "/healthz", headers=self._headers, timeout=timeout
-            )
-        except httpx.HTTPError:
-            return False
-        return resp.status_code == 200
+    async def healthy(self, timeout: float = 2.0) -> bool:
+        return await self._execd.healthy_async(self.client.http, timeout)
 
     def start_heartbeat(self, interval_s: float) -> None:
-        async def beat() -> None:
-            while True:
-                await asyncio.sleep(interval_s)
-                with contextlib.suppress(Exception):
-                    await self.client.send(
-                        Task.HEARTBEAT, [self.id, self.client.owner], QUEUE_RELEASE
-                    )
-
-        self._beat = asyncio.get_running_loop().create_task(beat())
+        self.client.heartbeats.add(self.id, interval_s)
 
     async def release(self) -> None:
+        """Idempotent: queue the release (checked reuse or delete happens in a worker)."""
         if self.released:
             return
         self.released = True
-        if self._beat is not None:
-            self._beat.cancel()
-        await self.client.send(Task.RELEASE, [self.id, "released"], QUEUE_RELEASE)
+        self.client.heartbeats.remove(self.id)
+        await self.client.send(*core.release_message(self.id))
+
+
+class AsyncHeartbeats:
+    """One task per client renews every lease it holds, due renewals in one batch."""
+
+    def __init__(self, client: AsyncSandboxClient) -> None:
+        self.client = client
+        self._schedule = core.HeartbeatSchedule()
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    def add(self, sandbox_id: str, interval_s: float) -> None:
+        self._schedule.add(sandbox_id, interval_s, time.monotonic())
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(
+                self._run(), name="sandman-heartbeats"
+            )
+        self._wake.set()
+
+    def remove(self, sandbox_id: str) -> None:
+        self._schedule.remove(sandbox_id)
+
+    def held(self) -> int:
+        return self._schedule.held()
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _run(self) -> None:
+        while True:
+            due = self._schedule.due(time.monotonic())
+            if due:
+                with contextlib.suppress(Exception):  # the next round retries
+                    await self.client.send_all(core.heartbeat_messages(due, self.client.owner))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self._schedule.wait_s(time.monotonic()))
+            self._wake.clear()
 
 
 class AsyncSandboxClient:
     """asyncio entry point for trainers; use as ``async with``."""
 
     def __init__(
-        self, redis_url: str, *, owner: str | None = None, heartbeat_s: float = 60.0
+        self,
+        redis_url: str,
+        *,
+        owner: str | None = None,
+        heartbeat_s: float | None = None,
+        max_connections: int = 512,
     ) -> None:
-        self.owner = owner or f"{socket.gethostname()}:{os.getpid()}"
+        self.redis_url = redis_url
+        self.owner = owner or core.default_owner()
         self.heartbeat_s = heartbeat_s
-        self.redis = aredis.Redis.from_url(redis_url, socket_timeout=30, socket_connect_timeout=5)
-        self.http = httpx.AsyncClient(
-            limits=httpx.Limits(max_connections=512, max_keepalive_connections=512)
+        self.redis = aredis.Redis.from_url(
+            redis_url, max_connections=max_connections, **core.REDIS_OPTIONS
         )
-        self._sync = SandboxClient(redis_url, owner=self.owner)  # Celery producer only
-        self._claim = self.redis.register_script(_CLAIM_LUA)
+        self._claim = self.redis.register_script(warm.CLAIM_LUA)
+        self._cancel = self.redis.register_script(mailbox.CANCEL_LUA)
+        self.http = httpx.AsyncClient(
+            limits=httpx.Limits(
+                max_connections=max_connections, max_keepalive_connections=max_connections
+            ),
+            timeout=core.HTTP_TIMEOUT_S,
+        )
+        self.enqueuer = Enqueuer(redis_url)
+        self.heartbeats = AsyncHeartbeats(self)
+        # Ledger hand-outs of warm hits are sent off the trainer's critical path.
+        self._later: set[asyncio.Task[None]] = set()
+
+    @classmethod
+    async def from_settings(cls, settings: Any, **kwargs: Any) -> AsyncSandboxClient:
+        """As ``SandboxClient.from_settings``: never starts a service."""
+        url = core.redis_url_for(settings)
+        client = cls(url, **kwargs)
+        try:
+            await client.redis.ping()
+        except RedisError as exc:
+            await client.aclose()
+            raise core.not_answering(url, exc) from exc
+        return client
 
     async def __aenter__(self) -> AsyncSandboxClient:
         return self
@@ -143,46 +162,31 @@ class AsyncSandboxClient:
         await self.aclose()
 
     async def aclose(self) -> None:
+        await self.heartbeats.close()
+        await asyncio.gather(*self._later, return_exceptions=True)
         await self.http.aclose()
         await self.redis.aclose()  # type: ignore[attr-defined]  # stubs predate redis 5
-        self._sync.close()
+        self.enqueuer.close()
 
     async def send(self, name: str, args: list[Any], queue: str) -> None:
-        await asyncio.to_thread(self._sync.send, name, args, queue)
+        await asyncio.to_thread(self.enqueuer.send, name, args, queue)
 
-    async def open(
-        self,
-        *,
-        image: str,
-        job: str,
-        cpu: str | int | float = 1,
-        memory: str | int = "1Gi",
-        timeout: float = 300.0,
-        role: str = "rollout",
-        image_digest: str | None = None,
-        base_commit: str | None = None,
-        workdir: str = "/",
-        env: dict[str, str] | None = None,
-    ) -> AsyncSandbox:
-        request = request_body(
-            image=image,
-            cpu=cpu,
-            memory=memory,
-            job=job,
-            role=role,
-            image_digest=image_digest,
-            base_commit=base_commit,
-            workdir=workdir,
-            env=env,
-            owner=self.owner,
-            timeout=timeout,
-        )
+    async def send_many(self, name: str, argsets: list[list[Any]], queue: str) -> None:
+        await asyncio.to_thread(self.enqueuer.send_many, name, argsets, queue)
+
+    async def send_all(self, messages: Iterable[core.Outbound]) -> None:
+        await asyncio.to_thread(self.enqueuer.send_all, list(messages))
+
+    # -- acquire -----------------------------------------------------------------------
+
+    async def open(self, **kwargs: Any) -> AsyncSandbox:
+        """Acquire a sandbox the caller must ``await release()`` (prefer ``acquire``)."""
+        request = core.new_request(self.owner, **kwargs)
         sandbox = await self._claim_warm(request)
         if sandbox is None:
-            await self.send(Task.ACQUIRE, [request], QUEUE_ACQUIRE)
+            await self.send(*core.acquire_message(request))
             sandbox = await self._wait(request)
-        sandbox.start_heartbeat(self.heartbeat_s)
-        return sandbox
+        return self._started(sandbox)
 
     @contextlib.asynccontextmanager
     async def acquire(self, **kwargs: Any) -> AsyncIterator[AsyncSandbox]:
@@ -194,78 +198,83 @@ class AsyncSandboxClient:
 
     @contextlib.asynccontextmanager
     async def acquire_many(self, n: int, **kwargs: Any) -> AsyncIterator[list[AsyncSandbox]]:
-        """A rollout group acquired concurrently; all released together."""
-        if not 1 <= n <= 10_000:
-            raise InvalidRequest(f"group size {n} outside 1..10000")
-        results = await asyncio.gather(
-            *(self.open(**kwargs) for _ in range(n)), return_exceptions=True
-        )
-        got = [r for r in results if isinstance(r, AsyncSandbox)]
+        """A rollout group: all n acquires are enqueued in one batch and released together."""
+        requests = core.group_requests(n, self.owner, **kwargs)
+        got: list[AsyncSandbox] = []
+        pending: list[dict[str, Any]] = []
         try:
+            for request in requests:
+                sandbox = await self._claim_warm(request)
+                if sandbox is None:
+                    pending.append(request)
+                else:
+                    got.append(self._started(sandbox))
+            if pending:
+                await self.send_all(core.acquire_message(r) for r in pending)
+            results = await asyncio.gather(
+                *(self._wait(r) for r in pending), return_exceptions=True
+            )
+            pending = []  # every wait settled or gave up itself
+            got.extend(self._started(r) for r in results if isinstance(r, AsyncSandbox))
             for r in results:
                 if isinstance(r, BaseException):
                     raise r
             yield got
         finally:
+            for request in pending:  # not answered: give up (a second give-up is harmless)
+                with contextlib.suppress(SandmanError, RedisError):
+                    await self._give_up(core.MailboxWait(request))
             await asyncio.gather(*(s.release() for s in got), return_exceptions=True)
 
     async def _claim_warm(self, request: dict[str, Any]) -> AsyncSandbox | None:
-        key = pool_key(
-            request["image"],
-            request["image_digest"],
-            request["base_commit"],
-            request["cpu_m"],
-            request["memory_b"],
-        )
-        ids, leases = WarmStore._keys(request["job"], key)
+        """Try the job's warm pool: atomic claim, then a health check; retry past the sick."""
+        keys, args = core.warm_claim(request)
         try:
-            while True:
-                raw = await self._claim(
-                    keys=[ids, leases], args=[request["request_id"], CLAIM_TTL_S]
+            while (
+                lease := warm.claimed_lease(await self._claim(keys=keys, args=args))
+            ) is not None:
+                sandbox = AsyncSandbox(
+                    self, lease, acquire_s=core.acquire_seconds(request, time.time())
                 )
-                if not raw:
-                    return None
-                lease = Lease.from_dict(json.loads(raw))
-                sb = AsyncSandbox(self, lease, acquire_s=time.time() - request["enqueued_at"])
-                if await sb.healthy():
-                    await self.send(
-                        Task.CLAIMED,
-                        [
-                            lease.sandbox_id,
-                            request["request_id"],
-                            self.owner,
-                            sb.acquire_s,
-                            request["enqueued_at"],
-                        ],
-                        QUEUE_RELEASE,
-                    )
-                    return sb
-                await self.send(Task.RELEASE, [lease.sandbox_id, "warm-unhealthy"], QUEUE_RELEASE)
-        except aredis.RedisError as exc:
+                healthy = await sandbox.healthy(timeout=core.WARM_HEALTH_TIMEOUT_S)
+                outcome = core.warm_outcome(lease, request, self.owner, sandbox.acquire_s, healthy)
+                if healthy:
+                    task = asyncio.get_running_loop().create_task(self.send_all([outcome]))
+                    self._later.add(task)
+                    task.add_done_callback(self._later.discard)
+                    return sandbox
+                await self.send(*outcome)
+        except RedisError as exc:
             raise ServiceUnavailable(f"Redis unreachable: {exc}") from exc
+        return None
 
     async def _wait(self, request: dict[str, Any]) -> AsyncSandbox:
-        rid = request["request_id"]
+        wait = core.MailboxWait(request)
+        got = None
         try:
-            while True:
-                remaining = request["deadline"] - time.time()
-                if remaining <= 0:
-                    late = await asyncio.to_thread(mailbox.cancel, self._sync.redis, rid)
-                    if late and "lease" in late:
-                        await self.send(
-                            Task.RELEASE,
-                            [late["lease"]["sandbox_id"], "released"],
-                            QUEUE_RELEASE,
-                        )
-                    raise AcquireTimeout(f"no sandbox for {rid} within the timeout")
-                got = await self.redis.blpop([mailbox.result_key(rid)], timeout=min(remaining, 5.0))
-                if got is not None:
-                    break
-        except aredis.RedisError as exc:
+            while got is None and (pop_s := wait.next_pop(time.time())) is not None:
+                got = await self.redis.blpop([wait.key], timeout=pop_s)
+        except RedisError as exc:
             raise ServiceUnavailable(f"Redis unreachable: {exc}") from exc
-        payload = mailbox.parse(got[1])
-        if "lease" not in payload:
-            raise_payload_error(payload)
-        return AsyncSandbox(
-            self, Lease.from_dict(payload["lease"]), acquire_s=time.time() - request["enqueued_at"]
-        )
+        except BaseException:  # cancelled: give up so a late lease is released, not lost
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self._give_up(wait))
+            raise
+        if got is None:
+            await self._give_up(wait)
+            raise wait.timed_out()
+        lease = core.settle(got[1])
+        return AsyncSandbox(self, lease, acquire_s=core.acquire_seconds(request, time.time()))
+
+    async def _give_up(self, wait: core.MailboxWait) -> None:
+        keys, args = wait.cancel_call()
+        try:
+            late = await self._cancel(keys=keys, args=args)
+        except RedisError as exc:
+            raise ServiceUnavailable(f"Redis unreachable: {exc}") from exc
+        await self.send_all(core.late_releases(late))
+
+    def _started(self, sandbox: AsyncSandbox) -> AsyncSandbox:
+        now = dt.datetime.now(dt.UTC)
+        sandbox.start_heartbeat(core.heartbeat_interval(sandbox.lease, self.heartbeat_s, now))
+        return sandbox

@@ -5,92 +5,50 @@
         sb.exec("pytest -x", timeout=600)
 
 Why it looks like this:
-- A warm hit never leaves Redis: one atomic claim (``broker.pools.store``), one authenticated
-  /healthz to the sandbox, and the ledger hand-out is queued for a worker. A miss
-  enqueues an acquire and blocks on the request's mailbox (BLPOP), so the lease arrives
-  as soon as the worker has it, with no polling.
+- A warm hit never leaves Redis: one atomic claim (``broker.wire.warm``), one /healthz to
+  the sandbox, and the ledger hand-out is queued for a worker. A miss enqueues an
+  acquire and blocks on the request's mailbox (BLPOP), so the lease arrives as soon as
+  the worker has it, with no polling.
 - Failures are typed: every infrastructure failure (AcquireTimeout, SandboxLost,
   ServiceUnavailable, CreateFailed) is a ``broker.errors.InfrastructureError``, so a
   trainer masks that sample instead of scoring it zero; command outcomes (non-zero exit,
   timeouts inside the sandbox) are results, not exceptions.
-- Release happens on exit even on exceptions; a heartbeat thread keeps long rollouts'
-  leases alive, and a crashed trainer stops heartbeating, so the GC reclaims its pods.
-- Importable without Flask or the kubernetes package (a unit test enforces it).
+- Release happens on exit even on exceptions; one heartbeat thread keeps every held
+  lease alive at a third of its length, and a crashed trainer stops heartbeating, so
+  the GC reclaims its pods. A wait that is interrupted or times out cancels its mailbox
+  and releases a lease that slipped in, so a given-up acquire never strands a sandbox.
+- This module only does I/O (threads, redis-py, httpx); every decision is in
+  ``broker.client.core``, shared with the asyncio client in ``broker.client.aio``.
 """
 
 from __future__ import annotations
 
-import base64
 import contextlib
-import os
+import datetime as dt
 import queue
-import socket
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import httpx
 import redis as redis_lib
 
-from broker.errors import (
-    AcquireTimeout,
-    ExecAuthError,
-    ExecError,
-    InvalidRequest,
-    SandboxLost,
-    SandmanError,
-    ServiceUnavailable,
-)
-from broker.names import Queue, Task
-from broker.pools.store import WarmStore, pool_key
-from broker.wire import mailbox
-from broker.wire.errors import raise_payload_error
-from broker.wire.request import request_body
+from broker.client import core
+from broker.client.enqueue import Enqueuer
+from broker.errors import SandboxLost, SandmanError, ServiceUnavailable
+from broker.names import Queue
+from broker.wire import mailbox, warm
+from broker.wire.execd import Call, Endpoint, ExecdCalls, ExecResult
 from broker.wire.types import Lease
+
+__all__ = ["QUEUE_ACQUIRE", "QUEUE_RELEASE", "ExecResult", "Heartbeats", "Sandbox", "SandboxClient"]
 
 QUEUE_ACQUIRE, QUEUE_RELEASE = Queue.ACQUIRE, Queue.RELEASE
 
 
-@dataclass(frozen=True)
-class ExecResult:
-    exit_code: int
-    stdout: str
-    stderr: str
-    timed_out: bool = False
-    truncated: bool = False
-    duration_s: float = 0.0
-    session_restarted: bool = False
-
-    @property
-    def ok(self) -> bool:
-        return self.exit_code == 0 and not self.timed_out
-
-
-def execd_answer(resp: httpx.Response, path: str, who: str) -> dict[str, Any]:
-    """Decode one execd reply; its error statuses become the typed tree.
-
-    401/403 is ExecAuthError, 5xx or a non-JSON body means the sandbox is lost (an
-    infrastructure failure), any other refusal is ExecError with execd's own code.
-    """
-    try:
-        data: dict[str, Any] = resp.json()
-    except ValueError as exc:
-        raise SandboxLost(f"{who} sent a non-JSON answer") from exc
-    if resp.status_code == 200:
-        return data
-    error = data.get("error") or {}
-    message = f"{path}: {error.get('code')}: {error.get('message')}"
-    if resp.status_code in (401, 403):
-        raise ExecAuthError(message, status=resp.status_code, error_code="auth")
-    if resp.status_code >= 500:
-        raise SandboxLost(message)
-    raise ExecError(message, status=resp.status_code, error_code=str(error.get("code")))
-
-
-class Sandbox:
-    """One acquired sandbox: execd calls over a shared keep-alive HTTP pool."""
+class Sandbox(ExecdCalls):
+    """One acquired sandbox: execd calls over the client's shared keep-alive HTTP pool."""
 
     def __init__(self, client: SandboxClient, lease: Lease, *, acquire_s: float) -> None:
         self.client = client
@@ -98,8 +56,7 @@ class Sandbox:
         self.id = lease.sandbox_id
         self.acquire_s = acquire_s
         self.released = False
-        self._base = f"http://{lease.address}"
-        self._headers = {"Authorization": f"Bearer {lease.token}"}
+        self._execd = Endpoint(lease.address, lease.token, who=f"execd of {self.id}")
 
     def __repr__(self) -> str:
         return f"Sandbox({self.id!r}, address={self.lease.address!r}, warm={self.lease.warm})"
@@ -110,61 +67,13 @@ class Sandbox:
     def __exit__(self, *exc: object) -> None:
         self.release()
 
-    # -- execd -------------------------------------------------------------------------
-
-    def _call(self, path: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
+    def _send(self, call: Call) -> dict[str, Any]:
         if self.released:
             raise SandboxLost(f"sandbox {self.id} was already released")
-        try:
-            resp = self.client.http.post(
-                self._base + path, json=body, headers=self._headers, timeout=timeout
-            )
-        except httpx.TimeoutException as exc:
-            raise SandboxLost(f"execd of {self.id} did not answer {path} in {timeout}s") from exc
-        except httpx.TransportError as exc:
-            raise SandboxLost(f"execd of {self.id} is unreachable: {exc}") from exc
-        return execd_answer(resp, path, f"execd of {self.id}")
-
-    def exec(
-        self, command: str, *, timeout: float = 60.0, max_output_bytes: int | None = None
-    ) -> ExecResult:
-        body: dict[str, Any] = {"command": command, "timeout": timeout}
-        if max_output_bytes is not None:
-            body["max_output_bytes"] = max_output_bytes
-        data = self._call("/v1/exec", body, timeout + 15.0)
-        fields = ExecResult.__dataclass_fields__
-        return ExecResult(**{k: v for k, v in data.items() if k in fields})
-
-    def read_file(self, path: str) -> bytes:
-        data = self._call("/v1/files/read", {"path": path}, 60.0)
-        return base64.b64decode(data["content_b64"])
-
-    def read_text(self, path: str) -> str:
-        return self.read_file(path).decode()
-
-    def write_file(self, path: str, content: bytes | str, *, mode: int | None = None) -> int:
-        raw = content.encode() if isinstance(content, str) else content
-        body: dict[str, Any] = {"path": path, "content_b64": base64.b64encode(raw).decode()}
-        if mode is not None:
-            body["mode"] = mode
-        return int(self._call("/v1/files/write", body, 60.0)["size"])
-
-    def edit(self, path: str, old: str, new: str) -> dict[str, Any]:
-        return self._call("/v1/files/edit", {"path": path, "old": old, "new": new}, 60.0)
-
-    def reset(self) -> dict[str, Any]:
-        return self._call("/v1/reset", {}, 60.0)
+        return self._execd.send(self.client.http, call)
 
     def healthy(self, timeout: float = 2.0) -> bool:
-        try:
-            resp = self.client.http.get(
-                self._base + "/healthz", headers=self._headers, timeout=timeout
-            )
-        except httpx.HTTPError:
-            return False
-        return resp.status_code == 200
-
-    # -- lease -------------------------------------------------------------------------
+        return self._execd.healthy(self.client.http, timeout)
 
     def start_heartbeat(self, interval_s: float) -> None:
         self.client.heartbeats.add(self.id, interval_s)
@@ -175,7 +84,7 @@ class Sandbox:
             return
         self.released = True
         self.client.heartbeats.remove(self.id)
-        self.client.send(Task.RELEASE, [self.id, "released"], QUEUE_RELEASE)
+        self.client.send(*core.release_message(self.id))
 
 
 class Heartbeats:
@@ -187,7 +96,7 @@ class Heartbeats:
 
     def __init__(self, client: SandboxClient) -> None:
         self.client = client
-        self._next: dict[str, tuple[float, float]] = {}  # id -> (due, interval)
+        self._schedule = core.HeartbeatSchedule()
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._closed = False
@@ -195,7 +104,7 @@ class Heartbeats:
 
     def add(self, sandbox_id: str, interval_s: float) -> None:
         with self._lock:
-            self._next[sandbox_id] = (time.monotonic() + interval_s, interval_s)
+            self._schedule.add(sandbox_id, interval_s, time.monotonic())
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._run, name="sandman-heartbeats", daemon=True
@@ -205,11 +114,11 @@ class Heartbeats:
 
     def remove(self, sandbox_id: str) -> None:
         with self._lock:
-            self._next.pop(sandbox_id, None)
+            self._schedule.remove(sandbox_id)
 
     def held(self) -> int:
         with self._lock:
-            return len(self._next)
+            return self._schedule.held()
 
     def close(self) -> None:
         self._closed = True
@@ -217,20 +126,14 @@ class Heartbeats:
 
     def _run(self) -> None:
         while not self._closed:
-            now = time.monotonic()
             with self._lock:
-                due = [sid for sid, (at, _) in self._next.items() if at <= now]
-                for sid in due:
-                    self._next[sid] = (now + self._next[sid][1], self._next[sid][1])
-                soonest = min((at for at, _ in self._next.values()), default=now + 60.0)
+                due = self._schedule.due(time.monotonic())
             if due:
                 with contextlib.suppress(Exception):  # the next round retries
-                    self.client.send_many(
-                        Task.HEARTBEAT,
-                        [[sid, self.client.owner] for sid in due],
-                        QUEUE_RELEASE,
-                    )
-            self._wake.wait(max(0.05, min(soonest - time.monotonic(), 60.0)))
+                    self.client.enqueuer.send_all(core.heartbeat_messages(due, self.client.owner))
+            with self._lock:
+                wait_s = self._schedule.wait_s(time.monotonic())
+            self._wake.wait(wait_s)
             self._wake.clear()
 
 
@@ -245,37 +148,24 @@ class SandboxClient:
         heartbeat_s: float | None = None,
         max_connections: int = 512,
     ) -> None:
-        from celery import Celery
-
         self.redis_url = redis_url
-        self.owner = owner or f"{socket.gethostname()}:{os.getpid()}"
+        self.owner = owner or core.default_owner()
         self.heartbeat_s = heartbeat_s
         self.redis = redis_lib.Redis.from_url(
-            # Blocking pops wait up to 5 s: the socket timeout must be longer (redis-py 8
-            # defaults it to 5 s).
-            redis_url,
-            max_connections=max_connections,
-            socket_timeout=30,
-            socket_connect_timeout=5,
+            redis_url, max_connections=max_connections, **core.REDIS_OPTIONS
         )
-        self.warm = WarmStore(self.redis)
+        self._claim = self.redis.register_script(warm.CLAIM_LUA)
+        self._cancel = self.redis.register_script(mailbox.CANCEL_LUA)
         self.http = httpx.Client(
             limits=httpx.Limits(
                 max_connections=max_connections, max_keepalive_connections=max_connections
             ),
-            timeout=60.0,
+            timeout=core.HTTP_TIMEOUT_S,
         )
-        self.celery = Celery("sandman-client", broker=redis_url, set_as_current=False)
-        self.celery.conf.update(
-            task_serializer="json",
-            accept_content=["json"],
-            result_backend=None,
-            task_ignore_result=True,
-            broker_connection_retry_on_startup=True,
-        )
+        self.enqueuer = Enqueuer(redis_url)
         self.heartbeats = Heartbeats(self)
         # Ledger hand-outs of warm hits are sent off the trainer's critical path.
-        self._later: queue.SimpleQueue[tuple[str, list[Any], str] | None] = queue.SimpleQueue()
+        self._later: queue.SimpleQueue[core.Outbound | None] = queue.SimpleQueue()
         self._sender = threading.Thread(target=self._send_later, name="sandman-send", daemon=True)
         self._sender.start()
 
@@ -293,21 +183,24 @@ class SandboxClient:
                     self._later.put(None)
                     break
                 batch.append(nxt)
-            groups: dict[tuple[str, str], list[list[Any]]] = {}
-            for name, args, q in batch:
-                groups.setdefault((name, q), []).append(args)
-            for (name, q), argsets in groups.items():
-                with contextlib.suppress(ServiceUnavailable):
-                    self.send_many(name, argsets, q)
+            with contextlib.suppress(ServiceUnavailable):
+                self.enqueuer.send_all(batch)
 
     @classmethod
     def from_settings(cls, settings: Any, **kwargs: Any) -> SandboxClient:
-        url = settings.redis_url
-        if not url:
-            from broker.local.services import ensure_services
+        """A client for the broker these settings describe; it never starts a service.
 
-            url = ensure_services(settings).redis_url
-        return cls(url, **kwargs)
+        ``settings.redis_url`` when set, else the embedded Redis that ``sandman up`` left
+        in the state dir; ServiceUnavailable (saying what to run) when neither answers.
+        """
+        url = core.redis_url_for(settings)
+        client = cls(url, **kwargs)
+        try:
+            client.redis.ping()
+        except redis_lib.RedisError as exc:
+            client.close()
+            raise core.not_answering(url, exc) from exc
+        return client
 
     def close(self) -> None:
         self.heartbeats.close()
@@ -315,58 +208,26 @@ class SandboxClient:
         self._sender.join(timeout=10)
         self.http.close()
         self.redis.close()
+        self.enqueuer.close()
 
     def send(self, name: str, args: list[Any], queue: str) -> None:
-        try:
-            self.celery.send_task(name, args=args, queue=queue)
-        except Exception as exc:  # kombu/redis errors: the broker side is unreachable
-            raise ServiceUnavailable(f"cannot enqueue {name}: {exc}") from exc
+        self.enqueuer.send(name, args, queue)
 
     def send_many(self, name: str, argsets: list[list[Any]], queue: str) -> None:
-        """Enqueue many tasks in pipelined Redis round trips (kombu publish batches).
-
-        A rollout group or a burst of a thousand acquires costs a few round trips instead
-        of one per message, so the whole burst is queued well inside a second."""
-        try:
-            with self.celery.producer_or_acquire() as producer, producer.batch(max_size=500):
-                for args in argsets:
-                    self.celery.send_task(name, args=args, queue=queue, producer=producer)
-        except Exception as exc:
-            raise ServiceUnavailable(f"cannot enqueue {len(argsets)} x {name}: {exc}") from exc
+        self.enqueuer.send_many(name, argsets, queue)
 
     # -- acquire -----------------------------------------------------------------------
 
-    def open(
-        self,
-        *,
-        image: str,
-        job: str,
-        cpu: str | int | float = 1,
-        memory: str | int = "1Gi",
-        timeout: float = 300.0,
-        role: str = "rollout",
-        image_digest: str | None = None,
-        base_commit: str | None = None,
-        workdir: str = "/",
-        env: dict[str, str] | None = None,
-    ) -> Sandbox:
-        """Acquire a sandbox the caller must ``release()`` (prefer ``acquire``)."""
-        request = request_body(
-            image=image,
-            cpu=cpu,
-            memory=memory,
-            job=job,
-            role=role,
-            image_digest=image_digest,
-            base_commit=base_commit,
-            workdir=workdir,
-            env=env,
-            owner=self.owner,
-            timeout=timeout,
-        )
+    def open(self, **kwargs: Any) -> Sandbox:
+        """Acquire a sandbox the caller must ``release()`` (prefer ``acquire``).
+
+        Arguments: image, job (required); cpu, memory, timeout, role, image_digest,
+        base_commit, workdir, env (see ``broker.client.core.ACQUIRE_DEFAULTS``).
+        """
+        request = core.new_request(self.owner, **kwargs)
         sandbox = self._claim_warm(request)
         if sandbox is None:
-            self.send(Task.ACQUIRE, [request], QUEUE_ACQUIRE)
+            self.send(*core.acquire_message(request))
             sandbox = self._wait(request)
         return self._started(sandbox)
 
@@ -381,18 +242,11 @@ class SandboxClient:
 
     @contextlib.contextmanager
     def acquire_many(self, n: int, **kwargs: Any) -> Iterator[list[Sandbox]]:
-        """A rollout group: all n acquires are enqueued at once and released together."""
-        if not 1 <= n <= 10_000:
-            raise InvalidRequest(f"group size {n} outside 1..10000")
-        timeout = float(kwargs.pop("timeout", 300.0))
-        role = str(kwargs.pop("role", "rollout"))
-        args = _acquire_args(kwargs)
-        requests = [
-            request_body(owner=self.owner, timeout=timeout, role=role, **args) for _ in range(n)
-        ]
+        """A rollout group: all n acquires are enqueued in one batch and released together."""
+        requests = core.group_requests(n, self.owner, **kwargs)
         got: list[Sandbox] = []
+        pending: list[dict[str, Any]] = []
         try:
-            pending = []
             for request in requests:
                 sandbox = self._claim_warm(request)
                 if sandbox is None:
@@ -400,97 +254,62 @@ class SandboxClient:
                 else:
                     got.append(self._started(sandbox))
             if pending:
-                self.send_many(Task.ACQUIRE, [[r] for r in pending], QUEUE_ACQUIRE)
-            for request in pending:
-                got.append(self._started(self._wait(request)))
+                self.enqueuer.send_all(core.acquire_message(r) for r in pending)
+            while pending:
+                got.append(self._started(self._wait(pending[0])))
+                pending.pop(0)
             yield got
         finally:
+            for request in pending:  # not answered: give up (a second give-up is harmless)
+                with contextlib.suppress(SandmanError, redis_lib.RedisError):
+                    self._give_up(core.MailboxWait(request))
             for sandbox in got:
                 with contextlib.suppress(SandmanError):
                     sandbox.release()
 
     def _claim_warm(self, request: dict[str, Any]) -> Sandbox | None:
-        """Try the job's warm pool: atomic claim, then an authenticated health check."""
-        key = pool_key(
-            request["image"],
-            request["image_digest"],
-            request["base_commit"],
-            request["cpu_m"],
-            request["memory_b"],
-        )
+        """Try the job's warm pool: atomic claim, then a health check; retry past the sick."""
+        keys, args = core.warm_claim(request)
         try:
-            while True:
-                lease = self.warm.claim(request["job"], key, request["request_id"])
-                if lease is None:
-                    return None
-                sandbox = Sandbox(self, lease, acquire_s=time.time() - request["enqueued_at"])
-                if sandbox.healthy(timeout=1.0):
-                    self._later.put(
-                        (
-                            Task.CLAIMED,
-                            [
-                                lease.sandbox_id,
-                                request["request_id"],
-                                self.owner,
-                                sandbox.acquire_s,
-                                request["enqueued_at"],
-                            ],
-                            QUEUE_RELEASE,
-                        )
-                    )
+            while (lease := warm.claimed_lease(self._claim(keys=keys, args=args))) is not None:
+                sandbox = Sandbox(self, lease, acquire_s=core.acquire_seconds(request, time.time()))
+                healthy = sandbox.healthy(timeout=core.WARM_HEALTH_TIMEOUT_S)
+                outcome = core.warm_outcome(lease, request, self.owner, sandbox.acquire_s, healthy)
+                if healthy:
+                    self._later.put(outcome)
                     return sandbox
-                self.send(Task.RELEASE, [lease.sandbox_id, "warm-unhealthy"], QUEUE_RELEASE)
+                self.send(*outcome)
         except redis_lib.RedisError as exc:
             raise ServiceUnavailable(f"Redis unreachable: {exc}") from exc
+        return None
 
     def _wait(self, request: dict[str, Any]) -> Sandbox:
-        rid = request["request_id"]
+        wait = core.MailboxWait(request)
+        got = None
         try:
-            while True:
-                remaining = request["deadline"] - time.time()
-                if remaining <= 0:
-                    late = mailbox.cancel(self.redis, rid)
-                    if late and "lease" in late:
-                        self.send(
-                            Task.RELEASE,
-                            [late["lease"]["sandbox_id"], "released"],
-                            QUEUE_RELEASE,
-                        )
-                    raise AcquireTimeout(f"no sandbox for {rid} within the timeout")
-                got = self.redis.blpop([mailbox.result_key(rid)], timeout=min(remaining, 5.0))
-                if got is not None:
-                    break
+            while got is None and (pop_s := wait.next_pop(time.time())) is not None:
+                got = self.redis.blpop([wait.key], timeout=pop_s)
         except redis_lib.RedisError as exc:
             raise ServiceUnavailable(f"Redis unreachable: {exc}") from exc
-        payload = mailbox.parse(got[1])
-        if "lease" not in payload:
-            raise_payload_error(payload)
-        lease = Lease.from_dict(payload["lease"])
-        return Sandbox(self, lease, acquire_s=time.time() - request["enqueued_at"])
+        except BaseException:  # interrupted: give up so a late lease is released, not lost
+            with contextlib.suppress(Exception):
+                self._give_up(wait)
+            raise
+        if got is None:
+            self._give_up(wait)
+            raise wait.timed_out()
+        lease = core.settle(got[1])
+        return Sandbox(self, lease, acquire_s=core.acquire_seconds(request, time.time()))
+
+    def _give_up(self, wait: core.MailboxWait) -> None:
+        keys, args = wait.cancel_call()
+        try:
+            late = self._cancel(keys=keys, args=args)
+        except redis_lib.RedisError as exc:
+            raise ServiceUnavailable(f"Redis unreachable: {exc}") from exc
+        self.enqueuer.send_all(core.late_releases(late))
 
     def _started(self, sandbox: Sandbox) -> Sandbox:
-        interval = self.heartbeat_s
-        if interval is None and sandbox.lease.lease_expires_at:
-            import datetime as dt
-
-            expires = dt.datetime.fromisoformat(sandbox.lease.lease_expires_at)
-            interval = (expires - dt.datetime.now(dt.UTC)).total_seconds() / 3
-        # A third of the lease: two renewals can be lost before it runs out.
-        sandbox.start_heartbeat(max(1.0, interval or 60.0))
+        now = dt.datetime.now(dt.UTC)
+        sandbox.start_heartbeat(core.heartbeat_interval(sandbox.lease, self.heartbeat_s, now))
         return sandbox
-
-
-def _acquire_args(kwargs: dict[str, Any]) -> dict[str, Any]:
-    allowed = ("image", "cpu", "memory", "job", "image_digest", "base_commit", "workdir", "env")
-    unknown = set(kwargs) - set(allowed)
-    if unknown:
-        raise InvalidRequest(f"unknown acquire arguments: {sorted(unknown)}")
-    defaults: dict[str, Any] = {
-        "cpu": 1,
-        "memory": "1Gi",
-        "image_digest": None,
-        "base_commit": None,
-        "workdir": "/",
-        "env": None,
-    }
-    return {**defaults, **{k: v for k, v in kwargs.items() if k in allowed}}

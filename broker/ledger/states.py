@@ -15,6 +15,18 @@ from __future__ import annotations
 
 import enum
 
+from broker.wire.roles import Role  # re-exported: one definition for both sides
+
+__all__ = [
+    "ALLOWED",
+    "CAPPED_STATES",
+    "LIVE_STATES",
+    "TERMINAL_STATES",
+    "Role",
+    "State",
+    "can_transition",
+]
+
 
 class State(enum.StrEnum):
     REQUESTED = "requested"
@@ -24,11 +36,6 @@ class State(enum.StrEnum):
     DELETED = "deleted"
     FAILED = "failed"
     ABANDONED = "abandoned"
-
-
-class Role(enum.StrEnum):
-    ROLLOUT = "rollout"
-    GRADING = "grading"
 
 
 ALLOWED: dict[State, frozenset[State]] = {

@@ -25,6 +25,7 @@ from urllib.parse import quote
 
 from broker.errors import ServiceUnavailable
 from broker.settings import Settings
+from broker.wire.services import embedded_redis_url, redis_secret_path
 
 PG_SYSTEM_USER = "sandman-pg"
 PG_DATABASE = "sandman"
@@ -216,7 +217,7 @@ def ensure_redis(settings: Settings) -> str:
     """Start the embedded Redis (append-only, so queued requests survive a restart)."""
     root = settings.state_dir / "redis"
     root.mkdir(parents=True, exist_ok=True)
-    password = _secret_file(settings.state_dir / "secrets" / "redis.password")
+    password = _secret_file(redis_secret_path(settings.state_dir))
     port = settings.embedded_redis_port
     conf = root / "redis.conf"
     conf.write_text(
@@ -242,7 +243,7 @@ def ensure_redis(settings: Settings) -> str:
     if not _port_open(port):
         subprocess.run([str(_redis_server()), str(conf)], check=True, capture_output=True)
         _wait_port(port, "Redis", root / "redis.log")
-    return f"redis://:{quote(password)}@127.0.0.1:{port}/0"
+    return embedded_redis_url(password, port)
 
 
 def stop_redis(settings: Settings) -> None:

@@ -13,37 +13,25 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import httpx
 from sqlalchemy.orm import Session, sessionmaker
 
+from broker.errors import ExecError, InfrastructureError
 from broker.ledger import store
 from broker.ledger.models import Sandbox, utcnow
 from broker.ledger.states import State
 from broker.pools.store import pool_key
+from broker.wire.execd import Endpoint, control_call, shared_http
 
 log = logging.getLogger(__name__)
 
 
-def execd_call(
-    address: str,
-    token: str,
-    path: str,
-    body: dict[str, Any] | None = None,
-    *,
-    timeout: float = 30.0,
-) -> dict[str, Any]:
-    """One authenticated execd call; raises httpx errors or ValueError on a refusal."""
-    resp = httpx.post(
-        f"http://{address}{path}",
-        json=body or {},
-        timeout=timeout,
-        headers={"Authorization": f"Bearer {token}"},
-    )
-    data: dict[str, Any] = resp.json()
-    if resp.status_code != 200:
-        error = data.get("error", {}) if isinstance(data, dict) else {}
-        raise ValueError(f"{path}: {resp.status_code} {error.get('code')} {error.get('message')}")
-    return data
+def execd_call(address: str, token: str, path: str, *, timeout: float = 30.0) -> dict[str, Any]:
+    """One authenticated control call (reset, baseline, state-check, restore).
+
+    Refusals and lost daemons raise the typed tree of ``broker.wire.execd`` (ExecError,
+    SandboxLost), like every other execd caller.
+    """
+    return Endpoint(address, token).send(shared_http(), control_call(path, timeout=timeout))
 
 
 def record_baseline(address: str, token: str) -> None:
@@ -107,7 +95,7 @@ def try_reuse(
         return None
     try:
         clean, seen = check_clean(address, token)
-    except (httpx.HTTPError, ValueError) as exc:
+    except (ExecError, InfrastructureError) as exc:  # refused or lost: never reuse blind
         _decide(
             sessions,
             sandbox_id,

@@ -11,7 +11,6 @@ sandboxes idle past the pool's ``idle_timeout_s`` (default 300 s, the paper's se
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -20,31 +19,11 @@ from broker import names
 from broker.errors import InvalidRequest
 from broker.wire.types import Lease
 from broker.wire.validation import parse_cpu, parse_memory, validate_image
+from broker.wire.warm import CLAIM_LUA, claim_call, claimed_lease, pool_key, pool_keys
+
+__all__ = ["PREFIX", "PoolConfig", "WarmStore", "parse_pools", "pool_key"]
 
 PREFIX = names.WARM_PREFIX
-CLAIM_TTL_S = 3600
-
-# KEYS: id list, lease hash. ARGV: claimer. Pops ids until one still has a lease.
-_CLAIM_LUA = """
-while true do
-  local id = redis.call('RPOP', KEYS[1])
-  if not id then return false end
-  local lease = redis.call('HGET', KEYS[2], id)
-  if lease then
-    redis.call('HDEL', KEYS[2], id)
-    redis.call('SET', ARGV[3] .. id, ARGV[1], 'EX', tonumber(ARGV[2]))
-    return lease
-  end
-end
-"""
-
-
-def pool_key(
-    image: str, image_digest: str | None, base_commit: str | None, cpu_m: int, memory_b: int
-) -> str:
-    """Stable key of compatible sandboxes: same bytes, same commit, same resources."""
-    raw = "|".join([image_digest or image, base_commit or "", str(cpu_m), str(memory_b)])
-    return "p" + hashlib.sha256(raw.encode()).hexdigest()[:24]
 
 
 @dataclass(frozen=True)
@@ -96,13 +75,11 @@ def parse_pools(
 class WarmStore:
     """The Redis side of the pools: published warm leases and the atomic claim."""
 
+    _keys = staticmethod(pool_keys)
+
     def __init__(self, redis: Any) -> None:
         self.redis = redis
-        self._claim = redis.register_script(_CLAIM_LUA)
-
-    @staticmethod
-    def _keys(job: str, key: str) -> tuple[str, str]:
-        return f"{PREFIX}:ids:{job}:{key}", f"{PREFIX}:leases:{job}:{key}"
+        self._claim = redis.register_script(CLAIM_LUA)
 
     def publish(self, job: str, key: str, lease: Lease) -> None:
         ids, leases = self._keys(job, key)
@@ -115,11 +92,8 @@ class WarmStore:
 
     def claim(self, job: str, key: str, claimer: str) -> Lease | None:
         """Atomically take one warm lease (oldest first), or None on a miss."""
-        ids, leases = self._keys(job, key)
-        raw = self._claim(
-            keys=[ids, leases], args=[claimer, CLAIM_TTL_S, names.WARM_CLAIMED_PREFIX]
-        )
-        return Lease.from_dict(json.loads(raw)) if raw else None
+        keys, args = claim_call(job, key, claimer)
+        return claimed_lease(self._claim(keys=keys, args=args))
 
     def withdraw(self, job: str, key: str, sandbox_id: str) -> bool:
         """Take a warm lease out of circulation; True only for the one caller that did."""
@@ -132,7 +106,7 @@ class WarmStore:
         return bool(self.redis.hexists(self._keys(job, key)[1], sandbox_id))
 
     def is_claimed(self, sandbox_id: str) -> bool:
-        return bool(self.redis.exists(f"sandman:warm-claimed:{sandbox_id}"))
+        return bool(self.redis.exists(names.warm_claimed_key(sandbox_id)))
 
     def size(self, job: str, key: str) -> int:
         return int(self.redis.hlen(self._keys(job, key)[1]))

@@ -16,7 +16,16 @@ from typing import Any
 from broker import names
 from broker.names import cancel_key, result_key
 
-__all__ = ["cancel", "cancel_key", "cancelled", "deliver", "parse", "result_key"]
+__all__ = [
+    "CANCEL_LUA",
+    "cancel",
+    "cancel_call",
+    "cancel_key",
+    "cancelled",
+    "deliver",
+    "parse",
+    "result_key",
+]
 
 RESULT_TTL_S = 3600
 DONE_PREFIX = names.ACQUIRED_PREFIX
@@ -31,6 +40,14 @@ return 1
 """
 
 
+# KEYS: result list, cancel flag. ARGV: flag TTL. Set the flag, then take a result that
+# slipped in before it (the worker's deliver refuses once the flag is set).
+CANCEL_LUA = """
+redis.call('SET', KEYS[2], '1', 'EX', tonumber(ARGV[1]))
+return redis.call('LPOP', KEYS[1])
+"""
+
+
 def deliver(redis: Any, request_id: str, payload: dict[str, Any]) -> bool:
     """Push the outcome unless the trainer already gave up; False means 'cancelled'."""
     script = redis.register_script(_DELIVER_LUA)
@@ -38,11 +55,16 @@ def deliver(redis: Any, request_id: str, payload: dict[str, Any]) -> bool:
     return bool(script(keys=keys, args=[json.dumps(payload), RESULT_TTL_S]))
 
 
+def cancel_call(request_id: str) -> tuple[list[str], list[Any]]:
+    """KEYS and ARGV of ``CANCEL_LUA``: the same give-up from the sync and async clients."""
+    return [names.result_key(request_id), names.cancel_key(request_id)], [RESULT_TTL_S]
+
+
 def cancel(redis: Any, request_id: str) -> dict[str, Any] | None:
     """Mark the request abandoned; return a result that slipped in just before, if any."""
-    redis.set(names.cancel_key(request_id), "1", ex=RESULT_TTL_S)
-    raw = redis.lpop(names.result_key(request_id))
-    return json.loads(raw) if raw else None
+    keys, args = cancel_call(request_id)
+    raw = redis.register_script(CANCEL_LUA)(keys=keys, args=args)
+    return parse(raw) if raw else None
 
 
 def cancelled(redis: Any, request_id: str) -> bool:

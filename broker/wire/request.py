@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from broker.errors import InvalidRequest
-from broker.ledger.states import Role
 from broker.wire import validation as v
+from broker.wire.roles import Role
 
 MAX_TIMEOUT_S = 24 * 3600.0
 

@@ -11,7 +11,7 @@ import datetime as dt
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
-from broker.ledger.states import Role
+from broker.wire.roles import Role
 
 
 class LeaseRow(Protocol):

@@ -4,22 +4,13 @@ real PostgreSQL and local bubblewrap sandboxes running the real execd.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
-import os
-import secrets
-import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
-import redis
 from sqlalchemy import select
 
 from broker.backends.local import _proc_start
@@ -33,88 +24,6 @@ from broker.settings import Settings
 
 pytestmark = pytest.mark.integration
 IMAGE = "sandman/test-task:1"
-REPO = Path(__file__).resolve().parents[3]
-
-
-@pytest.fixture(scope="module")
-def stack(
-    database_url: str, redis_url: str, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Settings]:
-    url = redis_url.rsplit("/", 1)[0] + "/11"
-    redis.Redis.from_url(url).flushdb()
-    state = tmp_path_factory.mktemp("broker-state")
-    settings = Settings(
-        state_dir=state,
-        database_url=database_url,
-        redis_url=url,
-        secret_key=secrets.token_hex(16),
-        installation_id=f"t-{secrets.token_hex(3)}",
-        create_rate=100.0,
-        create_burst=100,
-        gc_interval_s=3600.0,
-    )
-    env = dict(os.environ)
-    env.update(
-        {
-            f"SANDMAN_{k.upper()}": str(getattr(settings, k))
-            for k in (
-                "state_dir",
-                "database_url",
-                "redis_url",
-                "secret_key",
-                "installation_id",
-                "create_rate",
-                "create_burst",
-                "gc_interval_s",
-            )
-        }
-    )
-    env["PYTHONPATH"] = str(REPO)
-    log_path = state / "worker.log"
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "celery",
-                "-A",
-                "workers.app",
-                "worker",
-                "-Q",
-                "acquire,release,pool",
-                "-P",
-                "threads",
-                "-c",
-                "24",
-                "--without-gossip",
-                "--without-mingle",
-                "-n",
-                f"test-{secrets.token_hex(3)}@%h",
-                "--loglevel",
-                "INFO",
-            ],
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            cwd=REPO,
-        )
-    deadline = time.monotonic() + 60
-    while " ready." not in log_path.read_text(errors="replace"):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            pytest.fail("celery worker did not start:\n" + log_path.read_text()[-3000:])
-        time.sleep(0.1)
-    yield settings
-    proc.terminate()
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-    for meta in (state / "local-pods").glob("*.json"):  # nothing should be left
-        data = json.loads(meta.read_text())
-        if data.get("child_pid"):
-            with contextlib.suppress(OSError):
-                os.kill(int(data["child_pid"]), signal.SIGKILL)
 
 
 @pytest.fixture
@@ -357,46 +266,3 @@ def _wait_owned(sessions: Any, sandbox_id: str) -> Sandbox:
                 return row
         assert time.monotonic() < deadline
         time.sleep(0.05)
-
-
-def test_group_acquire_and_heartbeat(stack: Settings, sessions: Any) -> None:
-    job = _job(sessions, "group", lease_s=60.0)
-    c = SandboxClient(stack.redis_url, owner="group-trainer", heartbeat_s=0.3)
-    try:
-        with c.acquire_many(3, image=IMAGE, job=job, timeout=30) as group:
-            assert len({sb.id for sb in group}) == 3
-            with sessions() as session:
-                before = [session.get(Sandbox, sb.id).lease_expires_at for sb in group]  # type: ignore[union-attr]
-            time.sleep(1.2)
-            with sessions() as session:
-                after = [session.get(Sandbox, sb.id).lease_expires_at for sb in group]  # type: ignore[union-attr]
-            assert all(
-                b is not None and a is not None and a > b
-                for b, a in zip(before, after, strict=True)
-            )
-            # One renewal thread serves the whole group, not one thread per sandbox.
-            assert c.heartbeats.held() == 3
-            beaters = [t for t in threading.enumerate() if t.name == "sandman-heartbeats"]
-            assert len(beaters) == 1
-        assert c.heartbeats.held() == 0
-        for sb in group:
-            _wait_state(sessions, sb.id, State.DELETED)
-    finally:
-        c.close()
-
-
-def test_async_client(stack: Settings, sessions: Any) -> None:
-    from broker.client.aio import AsyncSandboxClient
-
-    job = _job(sessions, "e2e")
-
-    async def main() -> str:
-        async with (
-            AsyncSandboxClient(stack.redis_url, owner="async") as ac,
-            ac.acquire(image=IMAGE, job=job, timeout=30) as sb,
-        ):
-            await sb.write_file("/workspace/a.txt", "async")
-            res = await sb.exec("cat /workspace/a.txt")
-            return res.stdout
-
-    assert asyncio.run(main()) == "async"

@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+import asyncio
+import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from broker.errors import AcquireTimeout, InfrastructureError, InvalidRequest, UnknownJob
+from broker.client import AsyncSandboxClient, SandboxClient
+from broker.errors import (
+    AcquireTimeout,
+    InfrastructureError,
+    InvalidRequest,
+    ServiceUnavailable,
+    UnknownJob,
+)
+from broker.settings import Settings
 from broker.wire.errors import raise_payload_error
 from broker.wire.request import request_body
 
@@ -32,15 +43,38 @@ def _body(**overrides: object) -> dict[str, object]:
     return request_body(**args)  # type: ignore[arg-type]
 
 
-def test_client_imports_without_flask_or_kubernetes() -> None:
+# What a trainer process must never load: the client knows only the wire.
+SERVER_SIDE = (
+    "sqlalchemy",
+    "psycopg",
+    "flask",
+    "werkzeug",
+    "kubernetes",
+    "alembic",
+    "broker.ledger",
+    "broker.local",
+    "broker.acquire",
+    "broker.ownership",
+    "broker.backends",
+    "broker.pools",
+    "workers",
+    "web",
+)
+
+
+def test_client_imports_nothing_server_side() -> None:
     code = (
         "import sys\n"
-        "for name in ('flask', 'kubernetes', 'werkzeug'):\n"
-        "    sys.modules[name] = None\n"
-        "import broker.client.sync, broker.client.aio\n"
-        "assert 'flask' not in [m for m in sys.modules if sys.modules[m] is not None]\n"
+        "import broker.client\n"
+        "from broker.client import AsyncSandboxClient, ExecResult, Sandbox, SandboxClient\n"
+        f"bad = {SERVER_SIDE!r}\n"
+        "hit = lambda m: any(m == b or m.startswith(b + '.') for b in bad)\n"
+        "print(sorted(m for m in sys.modules if hit(m)))\n"
     )
-    subprocess.run([sys.executable, "-c", code], check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code], check=True, capture_output=True, text=True
+    ).stdout
+    assert out.strip() == "[]"
 
 
 @pytest.mark.parametrize(("cpu", "millis"), [("500m", 500), (1, 1000), ("2", 2000), (0.25, 250)])
@@ -91,3 +125,34 @@ def test_worker_errors_come_back_typed() -> None:
     assert isinstance(info.value, InfrastructureError)
     with pytest.raises(InfrastructureError):
         raise_payload_error({"error": {"code": "something_new"}})
+
+
+def test_from_settings_never_starts_services(tmp_path: Path) -> None:
+    """No URL and no embedded Redis left by `sandman up`: a clear refusal, no server."""
+    settings = Settings(state_dir=tmp_path, redis_url="")
+    for make in (SandboxClient.from_settings, _async_from_settings):
+        with pytest.raises(ServiceUnavailable, match="sandman up"):
+            make(settings)
+    assert not (tmp_path / "redis").exists()  # nothing was started or prepared
+
+
+def test_from_settings_refuses_a_redis_that_does_not_answer(tmp_path: Path) -> None:
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    secret = tmp_path / "secrets" / "redis.password"
+    secret.parent.mkdir()
+    secret.write_text("pw\n")
+    settings = Settings(state_dir=tmp_path, redis_url="", embedded_redis_port=port)
+    for make in (SandboxClient.from_settings, _async_from_settings):
+        with pytest.raises(ServiceUnavailable, match="SANDMAN_REDIS_URL") as info:
+            make(settings)
+        assert "pw" not in str(info.value)  # never the password
+
+
+def _async_from_settings(settings: Settings) -> None:
+    async def run() -> None:
+        client = await AsyncSandboxClient.from_settings(settings)
+        await client.aclose()
+
+    asyncio.run(run())

@@ -1,0 +1,107 @@
+"""Fixtures shared by the integration feature folders.
+
+``stack`` is the whole broker path with REAL Celery workers (a subprocess, not eager
+mode), real Redis, real PostgreSQL and local bubblewrap sandboxes running the real
+execd. Module-scoped: each test module gets its own workers and Redis database.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from broker.settings import Settings
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def stack(
+    database_url: str, redis_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Settings]:
+    url = redis_url.rsplit("/", 1)[0] + "/11"
+    redis.Redis.from_url(url).flushdb()
+    state = tmp_path_factory.mktemp("broker-state")
+    settings = Settings(
+        state_dir=state,
+        database_url=database_url,
+        redis_url=url,
+        secret_key=secrets.token_hex(16),
+        installation_id=f"t-{secrets.token_hex(3)}",
+        create_rate=100.0,
+        create_burst=100,
+        gc_interval_s=3600.0,
+    )
+    env = dict(os.environ)
+    env.update(
+        {
+            f"SANDMAN_{k.upper()}": str(getattr(settings, k))
+            for k in (
+                "state_dir",
+                "database_url",
+                "redis_url",
+                "secret_key",
+                "installation_id",
+                "create_rate",
+                "create_burst",
+                "gc_interval_s",
+            )
+        }
+    )
+    env["PYTHONPATH"] = str(REPO)
+    log_path = state / "worker.log"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "celery",
+                "-A",
+                "workers.app",
+                "worker",
+                "-Q",
+                "acquire,release,pool",
+                "-P",
+                "threads",
+                "-c",
+                "24",
+                "--without-gossip",
+                "--without-mingle",
+                "-n",
+                f"test-{secrets.token_hex(3)}@%h",
+                "--loglevel",
+                "INFO",
+            ],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+        )
+    deadline = time.monotonic() + 60
+    while " ready." not in log_path.read_text(errors="replace"):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            pytest.fail("celery worker did not start:\n" + log_path.read_text()[-3000:])
+        time.sleep(0.1)
+    yield settings
+    proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    for meta in (state / "local-pods").glob("*.json"):  # nothing should be left
+        data = json.loads(meta.read_text())
+        if data.get("child_pid"):
+            with contextlib.suppress(OSError):
+                os.kill(int(data["child_pid"]), signal.SIGKILL)
