@@ -14,8 +14,10 @@ SandmanError
 │   │   ├── KubeConflict(KubeError)                                409
 │   │   ├── KubeInvalid(KubeError, ValueError)                     422
 │   │   ├── KubeThrottled(KubeError)                               429 (carries retry_after)
-│   │   └── KubeUnavailable(KubeError, ConnectionError)            5xx, timeouts, transport errors:
-│   │                                                              the outcome is UNKNOWN, read back
+│   │   ├── KubeUnavailable(KubeError, ConnectionError)            5xx, timeouts, transport errors:
+│   │   │                                                          the outcome is UNKNOWN, read back
+│   │   └── NamespaceUnavailable(KubeError)                        the sandbox namespace is missing or RBAC
+│   │                                                              refuses: names it and the permission
 │   └── GuardMissing(InfrastructureError)                          egress-denied create without its policy
 ├── IllegalTransition(SandmanError, RuntimeError)    a ledger state jump that the state machine forbids
 ├── OwnershipError(SandmanError, RuntimeError)       a pod that is not provably ours was about to be touched
@@ -101,6 +103,21 @@ class KubeUnavailable(KubeError, ConnectionError):
     """The call may or may not have taken effect: callers must read back before deciding."""
 
     code = "kube_unavailable"
+
+
+class NamespaceUnavailable(KubeError):
+    """Pods cannot be made in the sandbox namespace: it does not exist (and this process may
+    not create it) or RBAC refuses a call there. Retrying cannot help until an operator acts,
+    so the message says what to do; ``missing`` names the refused permission, if any."""
+
+    code = "namespace_unavailable"
+
+    def __init__(
+        self, message: str, *, namespace: str, missing: str = "", status: int | None = None
+    ) -> None:
+        super().__init__(message, status=status)
+        self.namespace = namespace
+        self.missing = missing
 
 
 class GuardMissing(InfrastructureError):

@@ -52,21 +52,6 @@ Enqueue = Callable[[str, list[Any], str], None]
 REFILL_BUDGET_S = 900.0
 
 
-def make_backend(settings: Settings) -> Backend:
-    """The configured backend; the kubernetes package is imported only when asked for."""
-    if settings.backend == "kubernetes":
-        from broker.backends.kube.api import Kube, load_api_client
-        from broker.backends.kube.backend import KubeBackend
-
-        kube = Kube(load_api_client(settings.kubeconfig))
-        return KubeBackend(
-            kube, installation=settings.installation_id, execd_port=settings.execd_port
-        )
-    from broker.backends.local import LocalBackend
-
-    return LocalBackend(settings)
-
-
 def error_payload(exc: BaseException) -> dict[str, Any]:
     if _service_down(exc):  # PostgreSQL or Redis unreachable: say so, not "unexpected"
         exc = ServiceUnavailable(f"{type(exc).__name__}: {str(exc)[:500]}")

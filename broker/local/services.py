@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import os
 import secrets
 import shutil
@@ -37,10 +38,48 @@ class ServiceUrls:
 
 
 def ensure_services(settings: Settings) -> ServiceUrls:
-    """Start whichever embedded service has no external URL configured; return both URLs."""
+    """Start whichever embedded service has no external URL configured; return both URLs.
+
+    The URLs of the embedded ones are recorded (0600) in the state dir, so processes that
+    must not start anything (the admin UI, a worker started by hand) find them with
+    ``known_urls``."""
     db = settings.database_url or ensure_postgres(settings)
     redis_url = settings.redis_url or ensure_redis(settings)
+    embedded = {
+        "database_url": "" if settings.database_url else db,
+        "redis_url": "" if settings.redis_url else redis_url,
+    }
+    _write_private(urls_file(settings), json.dumps(embedded))
     return ServiceUrls(database_url=db, redis_url=redis_url)
+
+
+def urls_file(settings: Settings) -> Path:
+    return settings.state_dir / "run" / "services.json"
+
+
+def known_urls(settings: Settings) -> ServiceUrls:
+    """The service URLs without starting anything: the settings', else those the last
+    ``sandman services up`` (or ``sandman up``) recorded; "" where neither knows one."""
+    try:
+        recorded = json.loads(urls_file(settings).read_text())
+    except (OSError, ValueError):
+        recorded = {}
+    if not isinstance(recorded, dict):
+        recorded = {}
+    return ServiceUrls(
+        database_url=settings.database_url or str(recorded.get("database_url") or ""),
+        redis_url=settings.redis_url or str(recorded.get("redis_url") or ""),
+    )
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Replace ``path`` atomically with a file only its owner can read (it holds passwords)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(text)
+    os.replace(tmp, path)
 
 
 def _secret_file(path: Path) -> str:
