@@ -90,6 +90,7 @@ class Root:
         self._redis_url = redis_url
         self._enqueue = enqueue
         self._backend = backend
+        self._built_backend = False  # an injected backend belongs to the caller
         self._redis = redis
         self._backend_error: str | None = None
         self._redis_error: str | None = None
@@ -187,7 +188,7 @@ class Root:
                 self._backend = make_backend(
                     self.settings, ensure_namespace=self.profile.ensure_namespace
                 )
-                self._backend_error = None
+                self._backend_error, self._built_backend = None, True
             return self._backend
 
     @property
@@ -254,5 +255,10 @@ class Root:
                 self._sessions = None
             self._providers.clear()
             self._broker = self._warm = None
+            if self._built_backend and self._backend is not None:
+                close = getattr(self._backend, "close", None)  # KubeBackend: its pod watches
+                if close is not None:
+                    close()
+                self._backend = None
             if self._redis is not None and hasattr(self._redis, "close"):
                 self._redis.close()
