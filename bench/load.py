@@ -60,15 +60,13 @@ def main() -> int:
     )
     from sqlalchemy import func, select
 
-    from broker.backends.factory import make_backend
+    from broker.acquire.root import TOOL, Root
     from broker.client.sync import SandboxClient
     from broker.errors import SandmanError, ServiceUnavailable
     from broker.ledger import store
-    from broker.ledger.db import make_engine, make_session_factory
     from broker.ledger.models import Sandbox
     from broker.ledger.states import State
     from broker.local.stack import Stack
-    from broker.ownership.gc import run_gc
     from broker.settings import Settings
 
     settings = Settings.from_env()
@@ -86,8 +84,8 @@ def main() -> int:
         stack.wait_ready(timeout=300)  # a loaded machine: give the workers longer to start
     for name in [n for n in stack.procs if n == "beat"]:
         stack.procs.pop(name).kill()  # no beat: pool upkeep and GC stay out of the figures
-    engine = make_engine(stack.database_url, pool_size=2)
-    sessions = make_session_factory(engine)
+    root = Root(settings, TOOL, database_url=stack.database_url, actor="load-gc")
+    sessions = root.sessions
     with sessions.begin() as s:
         store.ensure_job(s, "load", lease_s=600.0)
     client = SandboxClient(stack.redis_url, owner="load", heartbeat_s=3600)
@@ -179,11 +177,7 @@ def main() -> int:
         "broker_rss_slope_mb_per_window": slope,
     }
     time.sleep(3)  # releases in flight
-    provider_settings = settings
-    from broker.ownership.provider import Provider
-
-    backend = make_backend(provider_settings)
-    report = run_gc(Provider(provider_settings, sessions, backend, actor="load-gc"))
+    report = root.gc.run(actor=root.actor)
     with sessions() as s:
         summary["live_rows_after"] = int(
             s.scalar(
@@ -194,14 +188,14 @@ def main() -> int:
             or 0
         )
     summary["pods_left"] = len(
-        backend.list_installation(settings.namespace, settings.installation_id)
+        root.need_backend().list_installation(settings.namespace, settings.installation_id)
     )
     summary["gc_unowned"] = len(report.unowned_pods)
     print(json.dumps(summary, indent=2))
     if args.json:
         args.json.write_text(json.dumps({"summary": summary, "windows": windows}, indent=2))
     client.close()
-    engine.dispose()
+    root.dispose()
     return 0
 
 

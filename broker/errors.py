@@ -26,8 +26,10 @@ SandmanError                                                  retryable? (T/P)
 │   │   ├── KubeConflict                                      P  409 (settled by read-back, not retry)
 │   │   ├── KubeInvalid(ValueError)                           P  422
 │   │   ├── KubeThrottled                                     T  429 (carries retry_after)
-│   │   └── KubeUnavailable(ConnectionError)                  T  5xx, timeouts, transport errors:
-│   │                                                            the outcome is UNKNOWN, read back
+│   │   ├── KubeUnavailable(ConnectionError)                  T  5xx, timeouts, transport errors:
+│   │   │                                                        the outcome is UNKNOWN, read back
+│   │   └── NamespaceUnavailable                              P  the sandbox namespace is missing or RBAC
+│   │                                                            refuses: names it and the permission
 │   ├── GuardMissing                                          P  egress-denied create without its policy
 │   ├── GradingSandboxRejected              (grading.grade)   T  dirty or reused grading sandbox: take another
 │   ├── ProbeFailed                         (grading.probe)   T  the run-conditions probe did not answer
@@ -162,6 +164,21 @@ class KubeUnavailable(KubeError, TemporaryError, ConnectionError):
     """The call may or may not have taken effect: callers must read back before deciding."""
 
     code = "kube_unavailable"
+
+
+class NamespaceUnavailable(KubeError, PermanentError):
+    """Pods cannot be made in the sandbox namespace: it does not exist (and this process may
+    not create it) or RBAC refuses a call there. Retrying cannot help until an operator acts,
+    so the message says what to do; ``missing`` names the refused permission, if any."""
+
+    code = "namespace_unavailable"
+
+    def __init__(
+        self, message: str, *, namespace: str, missing: str = "", status: int | None = None
+    ) -> None:
+        super().__init__(message, status=status)
+        self.namespace = namespace
+        self.missing = missing
 
 
 class GuardMissing(InfrastructureError, PermanentError):

@@ -1,9 +1,9 @@
-"""The app factory: one blueprint per area, services wired from the settings passed in.
+"""The app factory: one blueprint per area, its parts taken from the composition root.
 
 Why a factory: tests, ``sandman web`` and gunicorn each build their own app from their
 own ``Settings``; nothing here reads the environment or connects at import time. Heavy
-collaborators (Redis, the pod backend) are created on first use, so the UI still serves
-the ledger when Redis or the cluster is unreachable.
+collaborators (Redis, the pod backend) are created by the root on first use, so the UI
+still serves the ledger when Redis or the cluster is unreachable.
 """
 
 from __future__ import annotations
@@ -14,24 +14,21 @@ from typing import Any
 
 from flask import Flask
 
-from broker.acquire.root import Services
+from broker.acquire.root import WEB, Root
 from broker.settings import Settings
 from web import security
 
 log = logging.getLogger(__name__)
 
 
-def create_app(
-    settings: Settings,
-    *,
-    backend: Any | None = None,
-    redis: Any | None = None,
-    database_url: str | None = None,
-) -> Flask:
-    """Build the admin app. ``backend``/``redis`` override the ones made from settings."""
+def create_app(settings: Settings, root: Root | None = None) -> Flask:
+    """Build the admin app over ``root`` (default: a read-only one from ``settings``).
+
+    The web builds no backend and starts no service: every part comes from the root,
+    which finds the service URLs in the settings or in the file ``sandman services up``
+    records, and reports a missing service as unavailable."""
     app = Flask(__name__)
-    services = Services(settings, backend=backend, redis=redis, database_url=database_url)
-    app.extensions["sandman"] = services
+    app.extensions["sandman"] = root if root is not None else Root(settings, WEB, actor="web")
     app.config.update(
         SECRET_KEY=security.session_key(settings),
         SESSION_COOKIE_NAME="sandman_session",
@@ -54,10 +51,6 @@ def create_app(
     from web import filters
 
     filters.register(app)
-
-    @app.teardown_appcontext
-    def _close(_exc: BaseException | None) -> None:
-        services.close_request()
 
     return app
 

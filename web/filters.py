@@ -84,7 +84,9 @@ def register(app: Flask) -> None:
 
     def page_url(**changes: Any) -> str:
         """This page's URL with some query arguments changed (empty values dropped)."""
-        args = {k: v for k, v in request.args.items() if k not in ("fragment", "cursor")}
+        args: dict[str, Any] = {
+            k: v for k, v in request.args.items() if k not in ("fragment", "cursor")
+        }
         args.update(changes)
         args = {k: v for k, v in args.items() if v not in ("", None)}
         return url_for(request.endpoint or "overview.index", **(request.view_args or {}), **args)

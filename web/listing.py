@@ -92,7 +92,7 @@ class Page:
     query: ListQuery = field(default_factory=ListQuery)
 
 
-def filtered(query: ListQuery) -> Select[tuple[Sandbox]]:
+def filtered(query: ListQuery) -> Select[Sandbox]:
     stmt = select(Sandbox)
     if query.state == "live":
         stmt = stmt.where(Sandbox.state.in_([s.value for s in LIVE_STATES]))
@@ -143,7 +143,7 @@ def _decode(cursor: str, sort: str) -> tuple[Any, str, str] | None:
     return value, sid, direction
 
 
-def statement(query: ListQuery) -> tuple[Select[tuple[Sandbox]], str]:
+def statement(query: ListQuery) -> tuple[Select[Sandbox], str]:
     """The page query (one more row than the limit) and its direction."""
     col = SORTS[query.sort]
     stmt = filtered(query)

@@ -107,10 +107,10 @@ def overview(session: Session, redis: Any | None) -> Overview:
         out.live_total += n
     for window, attr in ((60, "creates_per_s_1m"), (600, "creates_per_s_10m")):
         since = now - dt.timedelta(seconds=window)
-        n = session.scalar(
+        created = session.scalar(
             select(func.count()).select_from(Sandbox).where(Sandbox.requested_at >= since)
         )
-        setattr(out, attr, (n or 0) / window)
+        setattr(out, attr, (created or 0) / window)
     hour_ago = now - dt.timedelta(hours=1)
     out.warm_hits_1h = int(
         session.scalar(

@@ -12,10 +12,12 @@ from __future__ import annotations
 from typing import Any
 
 from celery import Celery
-from kombu import Queue as KombuQueue
+from kombu.entity import Queue as KombuQueue
 
+from broker.errors import ConfigError
 from broker.names import TASK_QUEUE, Queue, Task
 from broker.settings import Settings
+from broker.wire.services import known_urls
 
 # Above the longest task: an acquire waits for the pacer and a readiness budget, a pool
 # refill up to its own budget; an unacked message is redelivered only after this.
@@ -23,10 +25,14 @@ VISIBILITY_TIMEOUT_S = 3600
 
 
 def celery_config(settings: Settings) -> dict[str, Any]:
-    """Celery settings for ``settings``; shared by workers, beat and the client."""
-    from broker.local.services import ensure_services
+    """Celery settings for ``settings``; shared by workers and beat.
 
-    redis_url = settings.redis_url or ensure_services(settings).redis_url
+    Starts nothing: the entry point (``sandman up``, ``sandman worker``) ensured the
+    services and passed their URLs; a worker started by hand finds the embedded Redis in
+    the URLs file ``sandman services up`` wrote."""
+    redis_url = known_urls(settings).redis_url
+    if not redis_url:
+        raise ConfigError("no Redis URL: set SANDMAN_REDIS_URL or run `sandman services up` first")
     return {
         "broker_url": redis_url,
         "result_backend": None,

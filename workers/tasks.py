@@ -20,7 +20,7 @@ from celery.signals import worker_ready
 from broker.errors import TemporaryError
 from broker.names import Task
 from workers.app import app
-from workers.runtime import broker
+from workers.runtime import broker, root
 
 RETRY: dict[str, Any] = {
     "autoretry_for": (TemporaryError,),
@@ -72,17 +72,7 @@ def pool_upkeep() -> dict[str, Any]:
 
 @app.task(name=Task.GC, acks_late=True)
 def gc() -> dict[str, object]:
-    import contextlib
-    import json
-
-    from broker.ownership.gc import GC_LAST_KEY, run_gc, summarize
-
-    report = run_gc(broker().provider)
-    if not report.skipped_locked:
-        # The pass succeeded; losing only its summary (Redis down) is fine.
-        with contextlib.suppress(Exception):
-            broker().redis.set(GC_LAST_KEY, json.dumps(summarize(report, by="beat")))
-    return report.to_dict()
+    return root().gc.run_and_publish(actor=root().actor, by="beat").report.to_dict()
 
 
 @worker_ready.connect

@@ -55,21 +55,6 @@ log = logging.getLogger(__name__)
 CAP_POLL_S = 0.1  # how often a queued acquire re-asks for room under its job's live cap
 
 
-def make_backend(settings: Settings) -> Backend:
-    """The configured backend; the kubernetes package is imported only when asked for."""
-    if settings.backend == "kubernetes":
-        from broker.backends.kube.api import Kube, load_api_client
-        from broker.backends.kube.backend import KubeBackend
-
-        kube = Kube(load_api_client(settings.kubeconfig))
-        return KubeBackend(
-            kube, installation=settings.installation_id, execd_port=settings.execd_port
-        )
-    from broker.backends.local import LocalBackend
-
-    return LocalBackend(settings)
-
-
 def error_payload(exc: BaseException) -> dict[str, Any]:
     exc = typed(exc)
     code = exc.code if isinstance(exc, SandmanError) else "infrastructure_error"

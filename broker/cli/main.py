@@ -13,15 +13,10 @@ from pathlib import Path
 import click
 
 from broker import __version__
+from broker.cli.common import database_url, settings_of, tool_root
 from broker.settings import Settings
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-
-
-def _settings(ctx: click.Context) -> Settings:
-    settings = ctx.obj
-    assert isinstance(settings, Settings)
-    return settings
 
 
 @click.group()
@@ -36,7 +31,7 @@ def main(ctx: click.Context) -> None:
 @click.pass_context
 def show_settings(ctx: click.Context) -> None:
     """Print the effective settings (secrets redacted)."""
-    click.echo(json.dumps(_settings(ctx).redacted(), indent=2))
+    click.echo(json.dumps(settings_of(ctx).redacted(), indent=2))
 
 
 @main.group()
@@ -52,7 +47,7 @@ def services_up(ctx: click.Context, show_secrets: bool) -> None:
     from broker.local.services import ensure_services
     from broker.settings import redact_url
 
-    urls = ensure_services(_settings(ctx))
+    urls = ensure_services(settings_of(ctx))
     shown = (lambda u: u) if show_secrets else redact_url
     click.echo(f"SANDMAN_DATABASE_URL={shown(urls.database_url)}")
     click.echo(f"SANDMAN_REDIS_URL={shown(urls.redis_url)}")
@@ -64,8 +59,8 @@ def services_down(ctx: click.Context) -> None:
     """Stop the embedded PostgreSQL and Redis."""
     from broker.local.services import stop_postgres, stop_redis
 
-    stop_postgres(_settings(ctx))
-    stop_redis(_settings(ctx))
+    stop_postgres(settings_of(ctx))
+    stop_redis(settings_of(ctx))
 
 
 @services.command("serve")
@@ -75,20 +70,12 @@ def services_serve(ctx: click.Context, service: str) -> None:
     """Run one service in the foreground (for containers); credentials come from its URL."""
     from broker.local.services import serve_postgres, serve_redis
 
-    (serve_postgres if service == "postgres" else serve_redis)(_settings(ctx))
+    (serve_postgres if service == "postgres" else serve_redis)(settings_of(ctx))
 
 
 @main.group()
 def db() -> None:
     """Database schema (Alembic owns it)."""
-
-
-def _database_url(settings: Settings) -> str:
-    if settings.database_url:
-        return settings.database_url
-    from broker.local.services import ensure_postgres
-
-    return ensure_postgres(settings)
 
 
 @db.command("upgrade")
@@ -98,7 +85,7 @@ def db_upgrade(ctx: click.Context, revision: str) -> None:
     """Migrate the database to REVISION (default: head)."""
     from broker.ledger.migrate import upgrade
 
-    upgrade(_database_url(_settings(ctx)), revision)
+    upgrade(database_url(settings_of(ctx)), revision)
     click.echo(f"database at {revision}")
 
 
@@ -109,21 +96,11 @@ def db_check(ctx: click.Context) -> None:
     from broker.ledger.migrate import check
 
     try:
-        check(_database_url(_settings(ctx)))
+        check(database_url(settings_of(ctx)))
     except Exception as exc:
         click.echo(f"schema drift: {exc}", err=True)
         sys.exit(1)
     click.echo("models and migrations agree")
-
-
-def make_provider(settings: Settings, actor: str = "cli"):  # type: ignore[no-untyped-def]
-    """A Provider wired from settings: services, backend, sessions."""
-    from broker.backends.factory import make_backend
-    from broker.ledger.db import make_engine, make_session_factory
-    from broker.ownership.provider import Provider
-
-    engine = make_engine(_database_url(settings), pool_size=2, max_overflow=2)
-    return Provider(settings, make_session_factory(engine), make_backend(settings), actor=actor)
 
 
 @main.command("gc")
@@ -132,9 +109,11 @@ def make_provider(settings: Settings, actor: str = "cli"):  # type: ignore[no-un
 @click.pass_context
 def gc_command(ctx: click.Context, dry_run: bool, as_json: bool) -> None:
     """Run one garbage-collection pass (pods vs ledger; deletes only on a nonce match)."""
-    from broker.ownership.gc import run_gc
-
-    report = run_gc(make_provider(_settings(ctx), actor="gc-cli"), dry_run=dry_run)
+    root = tool_root(settings_of(ctx), actor="gc-cli")
+    try:
+        report = root.gc.run(actor=root.actor, dry_run=dry_run)
+    finally:
+        root.dispose()
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2, default=str))
     else:
@@ -158,7 +137,11 @@ def audit_command(ctx: click.Context, as_json: bool) -> None:
     """Ownership report; exits 1 when an unowned pod or a dangling row exists."""
     from broker.ownership.audit import format_audit, run_audit
 
-    report = run_audit(make_provider(_settings(ctx), actor="audit-cli"))
+    root = tool_root(settings_of(ctx), actor="audit-cli")
+    try:
+        report = run_audit(root.provider())
+    finally:
+        root.dispose()
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2, default=str))
     else:
@@ -201,7 +184,7 @@ def egress_check(  # noqa: PLR0917 (click passes options positionally)
     from broker.backends.kube import egress_probe
     from broker.backends.kube.api import Kube, load_api_client
 
-    settings = _settings(ctx)
+    settings = settings_of(ctx)
     selector: dict[str, str] | None = None
     if node_selector:
         selector = {}

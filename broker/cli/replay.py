@@ -16,8 +16,6 @@ from typing import Any
 
 import click
 
-from broker.settings import Settings
-
 
 def _warm_map(values: tuple[str, ...]) -> dict[str, int]:
     out: dict[str, int] = {}
@@ -193,15 +191,12 @@ def register(group: click.Group) -> None:
         absolute: bool,
     ) -> None:
         """Build a replay trace from the ledger's rows (request, hand-out and release times)."""
-        from broker.ledger.db import make_engine, make_session_factory
-        from broker.local.services import ensure_services
+        from broker.cli.common import settings_of, tool_root
         from broker.replay.trace import TraceEvent, export_ledger, write_trace
 
-        settings = ctx.obj
-        assert isinstance(settings, Settings)
-        engine = make_engine(ensure_services(settings).database_url)
+        root = tool_root(settings_of(ctx), actor="trace-export")
         try:
-            with make_session_factory(engine)() as session:
+            with root.sessions() as session:
                 events = export_ledger(
                     session,
                     job=job,
@@ -209,7 +204,7 @@ def register(group: click.Group) -> None:
                     until=until.replace(tzinfo=dt.UTC) if until else None,
                 )
         finally:
-            engine.dispose()
+            root.dispose()
         if events and not absolute:
             t0 = events[0].time
             events = [TraceEvent(e.time - t0, e.job, e.image, e.role, e.duration) for e in events]

@@ -16,13 +16,13 @@ from typing import Any
 
 import click
 
+from broker.cli.common import settings_of, tool_root
 from broker.names import Task
 from broker.settings import Settings
 
 
 def _settings(ctx: click.Context, **overrides: Any) -> Settings:
-    settings = ctx.obj
-    assert isinstance(settings, Settings)
+    settings = settings_of(ctx)
     overrides = {k: v for k, v in overrides.items() if v not in (None, "")}
     return dataclasses.replace(settings, **overrides) if overrides else settings
 
@@ -34,13 +34,6 @@ def _exec_celery(settings: Settings, argv: list[str]) -> None:
     urls = ensure_services(settings)
     env = child_env(settings, urls.database_url, urls.redis_url)
     os.execve(sys.executable, argv, env)  # noqa: S606 (fixed argv, no shell)
-
-
-def _sessions(settings: Settings) -> Any:
-    from broker.ledger.db import make_engine, make_session_factory
-    from broker.local.services import ensure_services
-
-    return make_session_factory(make_engine(ensure_services(settings).database_url))
 
 
 def register(group: click.Group) -> None:
@@ -174,22 +167,28 @@ def register(group: click.Group) -> None:
             except (ValueError, SandmanError) as exc:
                 raise click.ClickException(str(exc)) from exc
         try:
-            with _sessions(settings).begin() as session:
-                store.ensure_job(session, name, **config)
+            root = tool_root(settings, actor="cli")
         except SandmanError as exc:
             raise click.ClickException(str(exc)) from exc
-        with _sessions(settings)() as session:
-            row = store.get_job(session, name)
-            click.echo(
-                json.dumps(
-                    {
-                        "job": row.name,
-                        "warm_pools": row.warm_pools,
-                        "create_rate": row.create_rate,
-                        "reuse": row.reuse,
-                    }
+        try:
+            with root.sessions.begin() as session:
+                store.ensure_job(session, name, **config)
+            with root.sessions() as session:
+                row = store.get_job(session, name)
+                click.echo(
+                    json.dumps(
+                        {
+                            "job": row.name,
+                            "warm_pools": row.warm_pools,
+                            "create_rate": row.create_rate,
+                            "reuse": row.reuse,
+                        }
+                    )
                 )
-            )
+        except SandmanError as exc:
+            raise click.ClickException(str(exc)) from exc
+        finally:
+            root.dispose()
 
     @group.command("acquire")
     @click.option("--job", required=True)

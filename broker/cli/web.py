@@ -15,15 +15,10 @@ from pathlib import Path
 
 import click
 
+from broker.cli.common import settings_of
 from broker.settings import Settings
 
 TOKEN_FILES = {"admin": "web-admin.token", "viewer": "web-viewer.token"}
-
-
-def _settings(ctx: click.Context) -> Settings:
-    settings = ctx.obj
-    assert isinstance(settings, Settings)
-    return settings
 
 
 def token_file(settings: Settings, role: str, *, create: bool) -> tuple[Path, str]:
@@ -70,7 +65,7 @@ def register(group: click.Group) -> None:
         from broker.local.services import ensure_services
         from broker.local.stack import child_env
 
-        settings = _settings(ctx)
+        settings = settings_of(ctx)
         settings = dataclasses.replace(
             settings, web_host=host or settings.web_host, web_port=port or settings.web_port
         )
@@ -90,7 +85,7 @@ def register(group: click.Group) -> None:
     @click.pass_context
     def token(ctx: click.Context, role: str) -> None:
         """Print the generated token for ROLE (creating it if needed)."""
-        settings = _settings(ctx)
+        settings = settings_of(ctx)
         if role == "admin" and (settings.admin_token or settings.admin_password):
             click.echo("SANDMAN_ADMIN_TOKEN/PASSWORD is set: use that to log in", err=True)
             sys.exit(1)

@@ -28,7 +28,7 @@ from broker.names import Task, queue_of
 from broker.wire import mailbox, warm
 from broker.wire.errors import raise_payload_error
 from broker.wire.request import request_body
-from broker.wire.services import find_embedded_redis
+from broker.wire.services import known_redis_url
 from broker.wire.types import Lease
 
 MAX_GROUP = 10_000
@@ -82,10 +82,7 @@ def redis_url_for(settings: Any) -> str:
     """``settings.redis_url``, else the embedded Redis ``sandman up`` left in the state dir.
 
     Never a service started here: a second, empty Redis would be read by no worker."""
-    url: str = settings.redis_url or find_embedded_redis(
-        settings.state_dir, settings.embedded_redis_port
-    )
-    return url
+    return known_redis_url(settings)
 
 
 def not_answering(url: str, exc: BaseException) -> ServiceUnavailable:

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 from sqlalchemy import func, select
@@ -21,6 +21,9 @@ from sqlalchemy import func, select
 from broker.errors import InfrastructureError, SandmanError
 from broker.names import Queue, Task
 from broker.settings import Settings
+
+if TYPE_CHECKING:
+    from broker.acquire.root import Root
 
 DEMO_JOB = "demo"
 DEMO_IMAGE = "sandman/demo-task:latest"
@@ -86,11 +89,11 @@ def run_demo(
     commands: int,
     echo: Callable[[str], None],
 ) -> bool:
+    from broker.acquire.root import TOOL, Root
     from broker.client.sync import SandboxClient
     from broker.ledger import store
-    from broker.ledger.db import make_engine, make_session_factory
     from broker.local.stack import Stack, running_stack
-    from broker.pools.store import WarmStore, pool_key
+    from broker.pools.store import pool_key
     from broker.wire.validation import parse_cpu, parse_memory
 
     stack = None
@@ -106,9 +109,10 @@ def run_demo(
         stack = Stack(settings)
         stack.start(echo=True)
         database_url, redis_url = stack.database_url, stack.redis_url
-    engine = make_engine(database_url)
-    sessions = make_session_factory(engine)
     client = SandboxClient(redis_url, owner="demo")
+    root = Root(settings, TOOL, database_url=database_url, redis=client.redis, actor="demo")
+    warm_store = root.warm()
+    assert warm_store is not None  # the stack's Redis answered the client just now
     key = pool_key(DEMO_IMAGE, None, None, parse_cpu(CPU), parse_memory(MEMORY))
     pools = (
         [
@@ -124,16 +128,16 @@ def run_demo(
         else []
     )
     try:
-        with sessions.begin() as session:
+        with root.sessions.begin() as session:
             store.ensure_job(session, DEMO_JOB, warm_pools=pools, lease_s=120.0)
         if warm:
             client.send(Task.POOL_UPKEEP, [], Queue.POOL)
             deadline = time.monotonic() + 30
-            while WarmStore(client.redis).size(DEMO_JOB, key) < warm:
+            while warm_store.size(DEMO_JOB, key) < warm:
                 if time.monotonic() > deadline:
                     break
                 time.sleep(0.2)
-            echo(f"warm pool: {WarmStore(client.redis).size(DEMO_JOB, key)}/{warm} ready")
+            echo(f"warm pool: {warm_store.size(DEMO_JOB, key)}/{warm} ready")
         tally = Tally()
         t0 = time.monotonic()
         with (
@@ -145,7 +149,7 @@ def run_demo(
                 fut.result()
                 bar.update(1)
         wall = time.monotonic() - t0
-        leaks = _settle(settings, sessions, client, echo)
+        leaks = _settle(root, client, echo)
         ok = leaks == 0 and tally.masked == 0 and tally.failed_steps == 0
         n = len(tally.acquire_s)
         echo("")
@@ -174,20 +178,18 @@ def run_demo(
         return ok
     finally:
         client.close()
-        engine.dispose()
+        root.dispose()
         if stack is not None:
             stack.stop()
 
 
-def _settle(settings: Settings, sessions: Any, client: Any, echo: Callable[[str], None]) -> int:
+def _settle(root: Root, client: Any, echo: Callable[[str], None]) -> int:
     """Drain the warm pool, wait for every release, then count what a GC pass finds."""
-    from broker.acquire.service import make_backend
     from broker.ledger import store
     from broker.ledger.models import Sandbox
     from broker.ledger.states import State
-    from broker.ownership.gc import run_gc
-    from broker.ownership.provider import Provider
 
+    sessions = root.sessions
     with sessions.begin() as session:
         store.ensure_job(session, DEMO_JOB, warm_pools=[])
     client.send(Task.POOL_UPKEEP, [], Queue.POOL)
@@ -208,9 +210,8 @@ def _settle(settings: Settings, sessions: Any, client: Any, echo: Callable[[str]
             break
         client.send(Task.POOL_UPKEEP, [], Queue.POOL)
         time.sleep(1.0)
-    provider = Provider(settings, sessions, make_backend(settings), actor="demo")
     try:
-        report = run_gc(provider)
+        report = root.gc.run(actor=root.actor)
     except SandmanError as exc:
         echo(f"GC pass failed: {exc}")
         return remaining + 1

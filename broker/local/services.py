@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import os
 import secrets
 import shutil
@@ -19,29 +20,43 @@ import socket
 import stat
 import subprocess
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote
 
 from broker.errors import ServiceUnavailable
 from broker.settings import Settings
-from broker.wire.services import embedded_redis_url, redis_secret_path
+from broker.wire.services import ServiceUrls, known_urls, urls_file
+
+__all__ = ["ServiceUrls", "ensure_services", "known_urls", "urls_file"]
 
 PG_SYSTEM_USER = "sandman-pg"
 PG_DATABASE = "sandman"
 
 
-@dataclass(frozen=True)
-class ServiceUrls:
-    database_url: str
-    redis_url: str
-
-
 def ensure_services(settings: Settings) -> ServiceUrls:
-    """Start whichever embedded service has no external URL configured; return both URLs."""
+    """Start whichever embedded service has no external URL configured; return both URLs.
+
+    The URLs of the embedded ones are recorded (0600) in the state dir, so processes that
+    must not start anything (the admin UI, a worker started by hand) find them with
+    ``known_urls``."""
     db = settings.database_url or ensure_postgres(settings)
     redis_url = settings.redis_url or ensure_redis(settings)
+    embedded = {
+        "database_url": "" if settings.database_url else db,
+        "redis_url": "" if settings.redis_url else redis_url,
+    }
+    _write_private(urls_file(settings), json.dumps(embedded))
     return ServiceUrls(database_url=db, redis_url=redis_url)
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Replace ``path`` atomically with a file only its owner can read (it holds passwords)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(text)
+    os.replace(tmp, path)
 
 
 def _secret_file(path: Path) -> str:
@@ -217,7 +232,7 @@ def ensure_redis(settings: Settings) -> str:
     """Start the embedded Redis (append-only, so queued requests survive a restart)."""
     root = settings.state_dir / "redis"
     root.mkdir(parents=True, exist_ok=True)
-    password = _secret_file(redis_secret_path(settings.state_dir))
+    password = _secret_file(settings.state_dir / "secrets" / "redis.password")
     port = settings.embedded_redis_port
     conf = root / "redis.conf"
     conf.write_text(
@@ -243,7 +258,7 @@ def ensure_redis(settings: Settings) -> str:
     if not _port_open(port):
         subprocess.run([str(_redis_server()), str(conf)], check=True, capture_output=True)
         _wait_port(port, "Redis", root / "redis.log")
-    return embedded_redis_url(password, port)
+    return f"redis://:{quote(password)}@127.0.0.1:{port}/0"
 
 
 def stop_redis(settings: Settings) -> None:

@@ -28,29 +28,32 @@ from typing import Any, Protocol
 
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session, sessionmaker
 
 from broker.backends.base import LABEL_JOB, LABEL_ROLE, LABEL_SANDBOX, Backend, PodInfo
 from broker.errors import OwnershipError, SandmanError
 from broker.ledger import store
 from broker.ledger.models import Job, Leak, Sandbox, new_id, utcnow
 from broker.ledger.states import Role, State
+from broker.ownership.provider import Provider
 from broker.settings import Settings
 
 
-class Services(Protocol):
-    """What leak actions need from the composition root: settings, the ledger, the pods."""
+class Parts(Protocol):
+    """What leak actions need from the composition root (``broker.acquire.root.Root``):
+    settings, the ledger, the pods to read, and the Provider every delete goes through."""
 
     settings: Settings
 
     @property
-    def sessions(self) -> Any: ...
+    def sessions(self) -> sessionmaker[Session]: ...
 
     def backend(self) -> Backend | None: ...
 
     @property
     def backend_error(self) -> str | None: ...
 
-    def provider(self, actor: str) -> Any: ...
+    def provider(self, actor: str | None = None) -> Provider: ...
 
 
 ACTIONS = ("delete", "adopt", "dismiss")
@@ -75,10 +78,10 @@ class LeakView:
         return self.row is not None
 
 
-def load(services: Services, leak_id: int) -> LeakView:
+def load(parts: Parts, leak_id: int) -> LeakView:
     if not 0 < leak_id < 2**63:
         raise LookupError(f"no leak {leak_id}")
-    with services.sessions() as session:
+    with parts.sessions() as session:
         leak = session.get(Leak, leak_id)
         if leak is None:
             raise LookupError(f"no leak {leak_id}")
@@ -90,7 +93,7 @@ def load(services: Services, leak_id: int) -> LeakView:
         session.expunge_all()
     pod, pod_state = None, "n/a"
     if leak.pod_name and leak.namespace:
-        backend = services.backend()
+        backend = parts.backend()
         if backend is None:
             pod_state = "unavailable"
         else:
@@ -100,12 +103,12 @@ def load(services: Services, leak_id: int) -> LeakView:
             except (SandmanError, OSError):
                 pod_state = "unavailable"
     view = LeakView(leak=leak, row=row, pod=pod, pod_state=pod_state)
-    _judge(services, view)
+    _judge(parts, view)
     return view
 
 
-def _judge(services: Services, view: LeakView) -> None:
-    leak, ours = view.leak, services.settings.installation_id
+def _judge(parts: Parts, view: LeakView) -> None:
+    leak, ours = view.leak, parts.settings.installation_id
     if leak.resolved_at is not None:
         view.refused = dict.fromkeys(ACTIONS, f"already resolved ({leak.resolution})")
         return
@@ -134,31 +137,29 @@ def _expected_nonce(view: LeakView) -> str | None:
     return view.row.nonce if view.row is not None else (view.pod.nonce if view.pod else None)
 
 
-def perform(
-    services: Services, leak_id: int, action: str, *, actor: str, confirm_nonce: str
-) -> str:
+def perform(parts: Parts, leak_id: int, action: str, *, actor: str, confirm_nonce: str) -> str:
     """Run ``action`` on leak ``leak_id`` for ``actor``; returns a message for the operator."""
     if action not in ACTIONS:
         raise ActionRefused(f"unknown action {action!r}")
-    view = load(services, leak_id)
+    view = load(parts, leak_id)
     if action not in view.allowed:
         raise ActionRefused(view.refused.get(action, f"{action} is not allowed here"))
     expected = _expected_nonce(view) or ""
     if action != "dismiss" and (not confirm_nonce or confirm_nonce != expected):
         raise ActionRefused("the pod or row changed since you confirmed: review it again")
     if action == "dismiss":
-        return _resolve(services, view, actor, "dismissed", "dismissed by operator")
+        return _resolve(parts, view, actor, "dismissed", "dismissed by operator")
     if action == "adopt":
-        return _adopt(services, view, actor)
+        return _adopt(parts, view, actor)
     if view.row is not None:
-        return _delete_ledger_backed(services, view, actor)
-    return _delete_unowned(services, view, actor)
+        return _delete_ledger_backed(parts, view, actor)
+    return _delete_unowned(parts, view, actor)
 
 
 def _resolve(
-    services: Services, view: LeakView, actor: str, resolution: str, msg: str, **detail: Any
+    parts: Parts, view: LeakView, actor: str, resolution: str, msg: str, **detail: Any
 ) -> str:
-    with services.sessions.begin() as session:
+    with parts.sessions.begin() as session:
         leak = session.get(Leak, view.leak.id, with_for_update=True)
         if leak is None or leak.resolved_at is not None:
             raise ActionRefused("someone else resolved this leak meanwhile")
@@ -182,9 +183,9 @@ def _resolve(
 
 
 def _audit(
-    services: Services, view: LeakView, actor: str, action: str, outcome: str, **detail: Any
+    parts: Parts, view: LeakView, actor: str, action: str, outcome: str, **detail: Any
 ) -> None:
-    with services.sessions.begin() as session:
+    with parts.sessions.begin() as session:
         store.append_event(
             session,
             None,
@@ -200,10 +201,18 @@ def _audit(
         )
 
 
-def _delete_ledger_backed(services: Services, view: LeakView, actor: str) -> str:
+def _provider(parts: Parts, actor: str) -> Provider:
+    """The Provider acting as the operator; without a backend the action is refused."""
+    try:
+        return parts.provider(actor)
+    except (SandmanError, OSError) as exc:
+        raise ActionRefused(f"pod backend unavailable: {type(exc).__name__}: {exc}") from exc
+
+
+def _delete_ledger_backed(parts: Parts, view: LeakView, actor: str) -> str:
     row = view.row
     assert row is not None
-    provider = services.provider(actor)
+    provider = _provider(parts, actor)
     try:
         if row.state == State.DELETED:
             if view.pod is not None and view.pod.nonce == row.nonce:
@@ -213,27 +222,25 @@ def _delete_ledger_backed(services: Services, view: LeakView, actor: str) -> str
                 row.id, actor=actor, reason=f"admin:{view.leak.kind}", creator_gone=True
             )
     except (SandmanError, OSError) as exc:
-        _audit(services, view, actor, "leak-delete", "error", error=type(exc).__name__)
+        _audit(parts, view, actor, "leak-delete", "error", error=type(exc).__name__)
         raise ActionRefused(f"delete failed ({type(exc).__name__}); it stays open") from exc
-    with services.sessions() as session:
+    with parts.sessions() as session:
         fresh = session.get(Sandbox, row.id)
         state = fresh.state if fresh else None
     pod = provider.backend.get(row.namespace, row.pod_name)
     if state == State.DELETED and (pod is None or pod.nonce != row.nonce):
         return _resolve(
-            services, view, actor, "deleted", f"pod {row.pod_name} deleted", sandbox_id=row.id
+            parts, view, actor, "deleted", f"pod {row.pod_name} deleted", sandbox_id=row.id
         )
-    _audit(services, view, actor, "leak-delete", "pending", state=str(state))
+    _audit(parts, view, actor, "leak-delete", "pending", state=str(state))
     return f"delete of {row.pod_name} is pending (row {state}); the GC will retry it"
 
 
-def _delete_unowned(services: Services, view: LeakView, actor: str) -> str:
+def _delete_unowned(parts: Parts, view: LeakView, actor: str) -> str:
     pod = view.pod
     assert pod is not None and pod.nonce
-    backend = services.backend()
-    if backend is None:
-        raise ActionRefused(f"pod backend unavailable: {services.backend_error}")
-    with services.sessions() as session:
+    backend = _provider(parts, actor).backend
+    with parts.sessions() as session:
         if session.scalars(select(Sandbox.id).where(Sandbox.nonce == pod.nonce)).first():
             raise ActionRefused("a ledger row now owns this pod's nonce: run the GC instead")
     try:
@@ -244,21 +251,21 @@ def _delete_unowned(services: Services, view: LeakView, actor: str) -> str:
                 raise TimeoutError("pod still present after 20 s")
             time.sleep(0.2)
     except (SandmanError, OSError, TimeoutError) as exc:
-        _audit(services, view, actor, "leak-delete", "error", error=type(exc).__name__)
+        _audit(parts, view, actor, "leak-delete", "error", error=type(exc).__name__)
         raise ActionRefused(f"delete failed ({type(exc).__name__}); it stays open") from exc
     return _resolve(
-        services, view, actor, "deleted", f"unowned pod {pod.name} deleted", labels=pod.labels
+        parts, view, actor, "deleted", f"unowned pod {pod.name} deleted", labels=pod.labels
     )
 
 
-def _adopt(services: Services, view: LeakView, actor: str) -> str:
+def _adopt(parts: Parts, view: LeakView, actor: str) -> str:
     pod = view.pod
     assert pod is not None and pod.nonce
-    settings = services.settings
+    settings = parts.settings
     job_name = pod.labels.get(LABEL_JOB, "")
     now = utcnow()
     try:
-        with services.sessions.begin() as session:
+        with parts.sessions.begin() as session:
             job = session.get(Job, job_name)
             if job is None:
                 raise ActionRefused(
@@ -281,7 +288,7 @@ def _adopt(services: Services, view: LeakView, actor: str) -> str:
                 nonce=pod.nonce,
                 pod_name=pod.name,
                 namespace=pod.namespace,
-                backend=getattr(services.backend(), "name", settings.backend),
+                backend=getattr(parts.backend(), "name", settings.backend),
                 image="(adopted: image unknown)",
                 cpu_m=0,
                 memory_b=0,
@@ -316,7 +323,7 @@ def _adopt(services: Services, view: LeakView, actor: str) -> str:
     except IntegrityError as exc:
         raise ActionRefused("someone else recorded this pod meanwhile") from exc
     return _resolve(
-        services,
+        parts,
         view,
         actor,
         "adopted",

@@ -53,9 +53,10 @@ def backend() -> FakeBackend:
 
 @pytest.fixture
 def app(web_settings, backend):
+    from broker.acquire.root import WEB, Root
     from web.app import create_app
 
-    app = create_app(web_settings, backend=backend)
+    app = create_app(web_settings, Root(web_settings, WEB, backend=backend, actor="web"))
     app.config["TESTING"] = True
     yield app
     app.extensions["sandman"].dispose()

@@ -13,7 +13,7 @@ from flask import Blueprint, jsonify, request
 from broker.ownership import leaks as leakops
 from web import listing, params, serialize, stats
 from web.openapi import spec
-from web.views import actor, audit, jobs, sandboxes, services
+from web.views import actor, audit, jobs, root, sandboxes
 from web.views.leaks import query_leaks
 
 bp = Blueprint("api", __name__, url_prefix="/api")
@@ -30,16 +30,16 @@ def openapi() -> Any:
 
 @bp.route("/overview")
 def overview() -> Any:
-    svc = services()
-    with svc.sessions() as session:
-        return jsonify(stats.overview(session, svc.redis()).to_dict())
+    parts = root()
+    with parts.sessions() as session:
+        return jsonify(stats.overview(session, parts.redis()).to_dict())
 
 
 @bp.route("/sandboxes")
 def sandbox_list() -> Any:
     try:
         query = listing.ListQuery.from_args(request.args)
-        with services().sessions() as session:
+        with root().sessions() as session:
             page = listing.fetch(session, query)
     except listing.BadQuery as exc:
         return error(400, "bad_request", str(exc))
@@ -58,7 +58,7 @@ def sandbox_list() -> Any:
 def sandbox_detail(sandbox_id: str) -> Any:
     from broker.ledger.models import Sandbox
 
-    with services().sessions() as session:
+    with root().sessions() as session:
         if session.get(Sandbox, sandbox_id) is None:
             return error(404, "not_found", f"no sandbox {sandbox_id}")
     row, events, leaks, more = sandboxes.load(sandbox_id)
@@ -83,7 +83,7 @@ def leak_list() -> Any:
         before = params.integer(request.args, "before", 1, params.MAX_BIGINT)
     except params.ParamError as exc:
         return error(400, "bad_request", str(exc))
-    with services().sessions() as session:
+    with root().sessions() as session:
         rows = query_leaks(session, status, kind, before)
     more = len(rows) > 100
     rows = rows[:100]
@@ -106,7 +106,7 @@ def leak_action(leak_id: int, action: str) -> Any:
     if not isinstance(nonce, str):
         return error(400, "bad_request", "confirm_nonce must be a string")
     try:
-        message = leakops.perform(services(), leak_id, action, actor=actor(), confirm_nonce=nonce)
+        message = leakops.perform(root(), leak_id, action, actor=actor(), confirm_nonce=nonce)
     except LookupError:
         return error(404, "not_found", f"no leak {leak_id}")
     except (leakops.ActionRefused, RuntimeError) as exc:
@@ -125,6 +125,6 @@ def event_list() -> Any:
         search = audit.Search.from_args(request.args)
     except audit.BadSearch as exc:
         return error(400, "bad_request", str(exc))
-    with services().sessions() as session:
+    with root().sessions() as session:
         events, next_before = audit.run(session, search)
     return jsonify({"items": [serialize.event(e) for e in events], "next_before": next_before})

@@ -59,7 +59,7 @@ class Search:
             limit=params.integer(args, "limit", 1, 500, PAGE) or PAGE,
         )
 
-    def statement(self) -> Select[tuple[Event]]:
+    def statement(self) -> Select[Event]:
         stmt = select(Event)
         for col, value in (
             (Event.sandbox_id, self.sandbox),
@@ -89,16 +89,16 @@ def run(session: Any, search: Search) -> tuple[list[Event], int | None]:
 
 @bp.route("")
 def index() -> Any:
-    from web.views import services
+    from web.views import root
 
     try:
         # HTML forms send empty fields: for the page, empty means "no filter".
         search = Search.from_args({k: v for k, v in request.args.items() if v})
     except BadSearch as exc:
         abort(400, str(exc))
-    with services().sessions() as session:
+    with root().sessions() as session:
         events, next_before = run(session, search)
-    args = {k: v for k, v in request.args.items() if k != "before" and v}
+    args: dict[str, Any] = {k: v for k, v in request.args.items() if k != "before" and v}
     older = url_for("audit.index", **args, before=next_before) if next_before else None
     return render_template(
         "audit.html",

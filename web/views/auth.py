@@ -10,7 +10,7 @@ from urllib.parse import urlsplit
 from flask import Blueprint, current_app, jsonify, redirect, render_template, request, url_for
 
 from web import security
-from web.views import services
+from web.views import root
 
 bp = Blueprint("auth", __name__)
 log = logging.getLogger(__name__)
@@ -31,7 +31,7 @@ def login() -> Any:
     next_url = _safe_next(request.args.get("next"))
     if request.method == "GET":
         return render_template("login.html", next=next_url, error=None)
-    creds = security.credentials(services().settings)
+    creds = security.credentials(root().settings)
     cred = security.match(creds, request.form.get("secret", ""))
     if cred is None:
         log.warning("failed admin login from %s", request.remote_addr)

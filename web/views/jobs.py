@@ -10,9 +10,9 @@ from sqlalchemy import select
 
 from broker.errors import SandmanError
 from broker.ledger.models import Job
-from broker.pools.store import PoolConfig, WarmStore, parse_pools
+from broker.pools.store import PoolConfig, parse_pools
 from web import stats
-from web.views import services
+from web.views import root
 
 bp = Blueprint("jobs", __name__, url_prefix="/jobs")
 
@@ -68,10 +68,9 @@ class JobRow:
 
 
 def job_rows() -> list[JobRow]:
-    svc = services()
-    redis = svc.redis()
-    warm = WarmStore(redis) if redis is not None else None
-    with svc.sessions() as session:
+    parts = root()
+    warm = parts.warm()
+    with parts.sessions() as session:
         jobs = list(session.scalars(select(Job).order_by(Job.name)))
         counts = stats.live_counts(session)
         session.expunge_all()
@@ -97,8 +96,8 @@ def job_rows() -> list[JobRow]:
 
 
 def global_pacing() -> dict[str, Any]:
-    s = services().settings
-    pacer = stats.pacer_state(services().redis(), s.create_rate, s.create_burst)
+    s = root().settings
+    pacer = stats.pacer_state(root().redis(), s.create_rate, s.create_burst)
     return {
         "create_rate": s.create_rate,
         "create_burst": s.create_burst,
@@ -118,5 +117,5 @@ def index() -> Any:
         "jobs.html",
         jobs=job_rows(),
         pacing=global_pacing(),
-        redis_error=services().redis_error,
+        redis_error=root().redis_error,
     )

@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
-import contextlib
-import json
 from typing import Any
 
 from flask import Blueprint, abort, flash, redirect, render_template, request, url_for
 from sqlalchemy import select
 
 from broker.errors import SandmanError
-from broker.ledger import store
 from broker.ledger.models import Leak
 from broker.ownership import leaks as leakops
 from web import params, stats
-from web.views import actor, services, wants_fragment
+from web.views import actor, live_args, root, wants_fragment
 
 bp = Blueprint("leaks", __name__, url_prefix="/leaks")
 PAGE = 100
@@ -41,8 +38,8 @@ def index() -> Any:
         before = params.integer(request.args, "before", 1, params.MAX_BIGINT)
     except params.ParamError as exc:
         abort(400, str(exc))
-    svc = services()
-    with svc.sessions() as session:
+    parts = root()
+    with parts.sessions() as session:
         leaks = query_leaks(session, status, kind, before)
         kinds = {k for (k,) in session.execute(select(Leak.kind).group_by(Leak.kind))}
         open_count = stats.leaks_open(session)
@@ -55,8 +52,8 @@ def index() -> Any:
         "kinds": sorted(kinds),
         "open_count": open_count,
         "next_before": leaks[-1].id if more and leaks else None,
-        "gc_last": stats.gc_last(svc.redis()),
-        "live_url": url_for("leaks.index", **{**request.args.to_dict(), "fragment": 1}),
+        "gc_last": stats.gc_last(parts.redis()),
+        "live_url": url_for("leaks.index", **live_args(request.args)),
     }
     if wants_fragment():
         return render_template("partials/leaks_table.html", **context)
@@ -66,7 +63,7 @@ def index() -> Any:
 @bp.route("/<int:leak_id>")
 def detail(leak_id: int) -> Any:
     try:
-        view = leakops.load(services(), leak_id)
+        view = leakops.load(root(), leak_id)
     except LookupError:
         abort(404, f"no leak {leak_id}")
     action = request.args.get("action", "")
@@ -82,7 +79,7 @@ def act(leak_id: int, action: str) -> Any:
         return redirect(url_for("leaks.detail", leak_id=leak_id, action=action))
     try:
         message = leakops.perform(
-            services(),
+            root(),
             leak_id,
             action,
             actor=actor(),
@@ -98,28 +95,8 @@ def act(leak_id: int, action: str) -> Any:
 
 
 def run_gc_pass(who: str, dry_run: bool) -> dict[str, Any]:
-    """One GC pass as an operator; its report is kept in Redis for the page and /metrics."""
-    from broker.ownership.gc import run_gc, summarize
-
-    svc = services()
-    report = run_gc(svc.provider(who), dry_run=dry_run)
-    summary = summarize(report, by=who)
-    with svc.sessions.begin() as session:
-        store.append_event(
-            session,
-            None,
-            kind="admin",
-            action="gc-pass",
-            outcome="dry-run" if dry_run else "ok",
-            actor=who,
-            detail=summary,
-        )
-    redis = svc.redis()
-    if redis is not None and not report.skipped_locked:
-        # The pass itself succeeded; losing only its summary is fine.
-        with contextlib.suppress(Exception):
-            redis.set(stats.GC_LAST_KEY, json.dumps(summary))
-    return summary
+    """One GC pass as an operator, audited; its summary is kept for the page and /metrics."""
+    return root().gc.run_and_publish(actor=who, dry_run=dry_run, audit=True).summary
 
 
 @bp.route("/gc", methods=["POST"])

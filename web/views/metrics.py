@@ -14,7 +14,7 @@ from typing import Any
 from flask import Blueprint, Response
 
 from web import stats
-from web.views import services
+from web.views import root
 
 bp = Blueprint("metrics", __name__)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -67,10 +67,10 @@ class Exposition:
 
 
 def collect() -> str:
-    svc = services()
-    redis = svc.redis()
+    parts = root()
+    redis = parts.redis()
     out = Exposition()
-    with svc.sessions() as session:
+    with parts.sessions() as session:
         for column, name, help_text in (
             ("acquire_latency_s", "sandman_acquire_latency_seconds",
              "Acquire latency, queue-inclusive (enqueue to lease), per sandbox."),
@@ -93,7 +93,7 @@ def collect() -> str:
     for queue, depth in ov.queue_depth.items():
         if depth is not None:
             out.sample("sandman_queue_depth", depth, queue=queue)
-    s = svc.settings
+    s = parts.settings
     pacer = stats.pacer_state(redis, s.create_rate, s.create_burst)
     out.family("sandman_pacer_tokens", "gauge", "Create tokens left in the global bucket.")
     if pacer["tokens"] is not None:

@@ -10,7 +10,7 @@ from flask import Blueprint, render_template
 from broker.ledger.models import utcnow
 from broker.ledger.states import LIVE_STATES, State
 from web import charts, stats
-from web.views import services, wants_fragment
+from web.views import root, wants_fragment
 
 bp = Blueprint("overview", __name__)
 LIVE_ORDER = [s.value for s in State if s in LIVE_STATES]
@@ -40,15 +40,15 @@ def chart_set(session: Any) -> dict[str, Any]:
 
 @bp.route("/")
 def index() -> Any:
-    svc = services()
-    redis = svc.redis()
-    with svc.sessions() as session:
+    parts = root()
+    redis = parts.redis()
+    with parts.sessions() as session:
         ov = stats.overview(session, redis)
         context = {
             "ov": ov,
             "charts": chart_set(session),
             "states": LIVE_ORDER,
-            "redis_error": svc.redis_error if redis is None else None,
+            "redis_error": parts.redis_error if redis is None else None,
         }
     if wants_fragment():
         return render_template("partials/overview_live.html", **context)

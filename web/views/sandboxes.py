@@ -10,8 +10,9 @@ from sqlalchemy import select
 from broker.errors import SandmanError
 from broker.ledger.models import Event, Job, Leak, Sandbox
 from broker.ledger.states import State
+from broker.ownership import operator
 from web import listing
-from web.views import actor, services, wants_fragment
+from web.views import actor, live_args, root, wants_fragment
 
 bp = Blueprint("sandboxes", __name__, url_prefix="/sandboxes")
 COLUMNS = [
@@ -39,8 +40,8 @@ def index() -> Any:
         query = listing.ListQuery.from_args(request.args)
     except listing.BadQuery as exc:
         abort(400, str(exc))
-    svc = services()
-    with svc.sessions() as session:
+    parts = root()
+    with parts.sessions() as session:
         try:
             page = listing.fetch(session, query)
         except listing.BadQuery as exc:
@@ -52,7 +53,7 @@ def index() -> Any:
         "jobs": jobs,
         "columns": COLUMNS,
         "states": listing.STATE_FILTERS,
-        "live_url": url_for("sandboxes.index", **{**request.args.to_dict(), "fragment": 1}),
+        "live_url": url_for("sandboxes.index", **live_args(request.args)),
     }
     if wants_fragment():
         return render_template("partials/sandboxes_table.html", **context)
@@ -61,9 +62,9 @@ def index() -> Any:
 
 def read_pod(row: Sandbox) -> tuple[Any, str]:
     """Live read-back of the pod, or why it is unavailable."""
-    backend = services().backend()
+    backend = root().backend()
     if backend is None:
-        return None, f"unavailable: {services().backend_error or 'no backend'}"
+        return None, f"unavailable: {root().backend_error or 'no backend'}"
     try:
         pod = backend.get(row.namespace, row.pod_name)
     except (SandmanError, OSError) as exc:
@@ -76,7 +77,7 @@ def read_pod(row: Sandbox) -> tuple[Any, str]:
 
 
 def load(sandbox_id: str) -> tuple[Sandbox, list[Event], list[Leak], bool]:
-    with services().sessions() as session:
+    with root().sessions() as session:
         row = session.get(Sandbox, sandbox_id)
         if row is None:
             abort(404, f"no sandbox {sandbox_id}")
@@ -124,22 +125,8 @@ def release(sandbox_id: str) -> Any:
     if request.form.get("confirm_nonce") != row.nonce:
         flash("The sandbox changed since you confirmed; review it again.", "error")
         return redirect(url_for("sandboxes.release", sandbox_id=sandbox_id))
-    who = actor()
     try:
-        provider = services().provider(who)
-        with services().sessions.begin() as session:
-            from broker.ledger import store
-
-            store.append_event(
-                session,
-                row,
-                kind="admin",
-                action="release",
-                outcome="requested",
-                actor=who,
-                detail={"from_state": str(row.state)},
-            )
-        provider.release(sandbox_id, actor=who, reason="admin-release", creator_gone=True)
+        operator.release_by_operator(root().provider(actor()), sandbox_id)
     except (SandmanError, RuntimeError, OSError) as exc:
         flash(f"Release failed: {type(exc).__name__}: {exc}", "error")
     else:

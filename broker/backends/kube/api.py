@@ -285,35 +285,39 @@ class Kube:
         """
         deadline = time.monotonic() + timeout_s
         created = False
-        while True:
-            try:
-                call(
-                    "read serviceaccount",
-                    self.core.read_namespaced_service_account,
-                    "default",
-                    name,
+        while not self.namespace_ready(name):
+            if not created:
+                created = True
+                try:
+                    call(
+                        "create namespace",
+                        self.core.create_namespace,
+                        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}},
+                    )
+                except KubeConflict:
+                    pass
+                except KubeError as exc:
+                    raise KubeError(
+                        f"namespace {name} is not ready and the broker may not create it "
+                        f"({exc}); create it with the deploy manifests",
+                        status=exc.status,
+                    ) from exc
+            if time.monotonic() > deadline:
+                raise KubeNotFound(
+                    f"namespace {name}: no default ServiceAccount after {timeout_s}s"
                 )
-                return
-            except KubeNotFound:
-                if not created:
-                    created = True
-                    try:
-                        call(
-                            "create namespace",
-                            self.core.create_namespace,
-                            {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}},
-                        )
-                    except KubeConflict:
-                        pass
-                    except KubeError as exc:
-                        raise KubeError(
-                            f"namespace {name} is not ready and the broker may not create it "
-                            f"({exc}); create it with the deploy manifests",
-                            status=exc.status,
-                        ) from exc
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.2)
+            time.sleep(0.2)
+
+    def namespace_ready(self, name: str) -> bool:
+        """True when pods can be created in ``name``: its default ServiceAccount exists.
+
+        A read the least-privilege Role allows; False for a missing namespace (or one whose
+        ServiceAccount controller has not caught up yet). Other errors (403) propagate."""
+        try:
+            call("read serviceaccount", self.core.read_namespaced_service_account, "default", name)
+        except KubeNotFound:
+            return False
+        return True
 
     def delete_namespace(self, name: str) -> None:
         with contextlib.suppress(KubeNotFound):

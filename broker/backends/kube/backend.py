@@ -19,7 +19,13 @@ from broker.backends.base import LABEL_INSTALLATION, LABEL_NONCE, PodInfo, PodSp
 from broker.backends.kube import podspec
 from broker.backends.kube.api import Kube, load_api_client
 from broker.backends.kube.watcher import PodWatch
-from broker.errors import KubeConflict, KubeError, KubeNotFound, OwnershipError
+from broker.errors import (
+    KubeConflict,
+    KubeError,
+    KubeNotFound,
+    NamespaceUnavailable,
+    OwnershipError,
+)
 from broker.settings import Settings
 
 
@@ -73,6 +79,8 @@ def pod_info(pod: dict[str, Any], port: int) -> PodInfo:
 
 
 GUARD_TTL_S = 5.0
+FORBIDDEN = (401, 403)
+MANIFESTS = "the deploy manifests (kubectl apply -k deploy/k8s/overlays/<env>)"
 
 
 class KubeBackend:
@@ -97,8 +105,63 @@ class KubeBackend:
 
     # -- objects that must exist before pods ------------------------------------------
 
-    def ensure_namespace(self, namespace: str) -> None:
-        self.kube.ensure_namespace(namespace)
+    def ensure_namespace(self, namespace: str, *, create: bool) -> None:
+        """Make sure pods can be made in ``namespace``, creating it only when ``create``.
+
+        Workers may create it (a fresh cluster then needs no ``kubectl create ns``); the
+        admin UI is read-only and only checks. Either way a missing namespace or a refused
+        permission is a NamespaceUnavailable that names both and says what to do, instead
+        of surfacing later as a bare 404 on the first ConfigMap of the first create.
+        """
+        with self._in_namespace(namespace, "get serviceaccounts (name: default)"):
+            if self.kube.namespace_ready(namespace):
+                return
+        if not create:
+            raise NamespaceUnavailable(
+                f"namespace {namespace} does not exist (or has no default ServiceAccount yet) "
+                f"and this process does not create it: start the broker's workers, which do, "
+                f"or create it with {MANIFESTS}",
+                namespace=namespace,
+                status=404,
+            )
+        with self._in_namespace(namespace, "create namespaces (cluster scope)"):
+            self.kube.ensure_namespace(namespace)
+
+    @contextlib.contextmanager
+    def _in_namespace(self, namespace: str, permission: str) -> Iterator[None]:
+        """Turn a 403 into "grant this", and a 404 whose cause is a missing namespace into
+        "the namespace is gone", both naming the namespace; other errors pass unchanged."""
+        try:
+            yield
+        except NamespaceUnavailable:
+            raise
+        except KubeNotFound as exc:
+            if self.kube.namespace_ready(namespace):
+                raise
+            self._forget(namespace)
+            raise NamespaceUnavailable(
+                f"namespace {namespace} does not exist ({exc}): the broker's workers create it "
+                f"when they start, so restart them, or create it with {MANIFESTS}",
+                namespace=namespace,
+                status=exc.status,
+            ) from exc
+        except KubeError as exc:
+            if exc.status not in FORBIDDEN:
+                raise
+            raise NamespaceUnavailable(
+                f"the broker's credentials may not {permission} in namespace {namespace} "
+                f"(HTTP {exc.status}): grant it in the broker's Role (deploy/k8s/base/rbac.yaml)",
+                namespace=namespace,
+                missing=permission,
+                status=exc.status,
+            ) from exc
+
+    def _forget(self, namespace: str) -> None:
+        """Drop what was cached about objects in ``namespace`` (it was deleted under us)."""
+        self._execd.pop(namespace, None)
+        for cache in (self._owners, self._guards):
+            for key in [k for k in cache if k[0] == namespace]:
+                cache.pop(key, None)
 
     def _ensure_execd(self, namespace: str) -> tuple[str, list[str]]:
         cached = self._execd.get(namespace)
@@ -117,7 +180,8 @@ class KubeBackend:
         return self._execd[namespace]
 
     def ensure_job_owner(self, namespace: str, job: str) -> None:
-        self._owner_uid(namespace, job)
+        with self._in_namespace(namespace, "get/create configmaps"):
+            self._owner_uid(namespace, job)
 
     def _owner_uid(self, namespace: str, job: str) -> str:
         key = (namespace, job)
@@ -139,11 +203,13 @@ class KubeBackend:
     def ensure_egress_guard(self, namespace: str, job: str, allow: list[str]) -> None:
         if self._guard_fresh(namespace, job):
             return
-        if self.kube.get_network_policy(namespace, podspec.egress_policy_name(job)) is None:
-            with contextlib.suppress(KubeConflict):
-                self.kube.create_network_policy(
-                    namespace, podspec.egress_policy(job, self.installation, allow)
-                )
+        name = podspec.egress_policy_name(job)
+        with self._in_namespace(namespace, "get/create networkpolicies"):
+            if self.kube.get_network_policy(namespace, name) is None:
+                with contextlib.suppress(KubeConflict):
+                    self.kube.create_network_policy(
+                        namespace, podspec.egress_policy(job, self.installation, allow)
+                    )
 
     def has_egress_guard(self, namespace: str, job: str) -> bool:
         """Read back from the API server; a positive answer is trusted for GUARD_TTL_S,
@@ -162,14 +228,16 @@ class KubeBackend:
     # -- pods --------------------------------------------------------------------------
 
     def create(self, spec: PodSpec) -> PodInfo:
-        execd_name, keys = self._ensure_execd(spec.namespace)
-        owner_uid = self._owner_uid(spec.namespace, spec.job)
+        with self._in_namespace(spec.namespace, "get/create configmaps"):
+            execd_name, keys = self._ensure_execd(spec.namespace)
+            owner_uid = self._owner_uid(spec.namespace, spec.job)
         body = podspec.pod_manifest(
             spec, execd_configmap=execd_name, execd_keys=keys, port=self.port, owner_uid=owner_uid
         )
         self._watch(spec.namespace)  # following before the POST: its events are not missed
         try:
-            return pod_info(self.kube.create_pod(spec.namespace, body), self.port)
+            with self._in_namespace(spec.namespace, "create pods"):
+                return pod_info(self.kube.create_pod(spec.namespace, body), self.port)
         except KubeNotFound:
             # The owner object was deleted under us (cache stale): refresh once.
             self._owners.pop((spec.namespace, spec.job), None)

@@ -23,20 +23,18 @@ TOKEN = "admin-" + secrets.token_hex(16)
 
 
 def _app(database_url: str, state: Path):  # type: ignore[no-untyped-def]
+    from broker.acquire.root import WEB, Root
     from web.app import create_app
 
-    app = create_app(
-        Settings(
-            state_dir=state,
-            database_url=database_url,
-            redis_url="",
-            admin_token=TOKEN,
-            secret_key=secrets.token_hex(16),
-            installation_id=f"st-{secrets.token_hex(3)}",
-        ),
-        backend=FakeBackend(),
+    settings = Settings(
+        state_dir=state,
+        database_url=database_url,
+        redis_url="",
+        admin_token=TOKEN,
+        secret_key=secrets.token_hex(16),
+        installation_id=f"st-{secrets.token_hex(3)}",
     )
-    return app
+    return create_app(settings, Root(settings, WEB, backend=FakeBackend()))
 
 
 @pytest.fixture(scope="module")
