@@ -261,8 +261,11 @@ def lock_row(session: Session, sandbox_id: str) -> Sandbox | None:
     ).first()
 
 
-def record_leak(session: Session, kind: str, **fields: Any) -> Leak:
-    leak = Leak(kind=kind, detected_at=utcnow(), detail=fields.pop("detail", {}), **fields)
+def record_leak(session: Session, kind: str, about: Subject | None = None, **fields: Any) -> Leak:
+    """Add an open leak; ``about`` fills its identity columns (sandbox, job, pod, nonce)."""
+    identity = dataclasses.asdict(about) if about is not None else {}
+    detail = fields.pop("detail", {})
+    leak = Leak(kind=kind, detected_at=utcnow(), detail=detail, **identity, **fields)
     session.add(leak)
     session.flush()
     return leak
