@@ -7,6 +7,8 @@ Every class says whether retrying the same call can help: it inherits ``Temporar
 permanent (``retryable`` is False), the safe default. ``code`` travels over the wire
 (``broker.wire.errors``) and never changes: older clients decode it.
 
+Every T error carries ``retry_after`` (seconds, when the refusing side said).
+
 SandmanError                                                  retryable? (T/P)
 ├── ConfigError(ValueError)                                   P  bad settings or arguments
 ├── InvalidRequest(ValueError)                                P  malformed input; nothing was created
@@ -16,7 +18,6 @@ SandmanError                                                  retryable? (T/P)
 │   ├── ServiceUnavailable(ConnectionError)                   T  Redis/PostgreSQL/broker down
 │   ├── AcquireTimeout(TimeoutError)                          T  no sandbox within the caller's budget
 │   ├── AtCapacity                                            T  the job holds max_live live sandboxes
-│   │                                                            (carries retry_after when known)
 │   ├── SandboxLost                                           P  the pod or execd went away mid-rollout
 │   ├── CreateFailed                                          P  the provider could not make a ready sandbox
 │   │   └── ForeignPod                                        P  a pod with our name is not ours (nonce or
@@ -60,7 +61,14 @@ class SandmanError(Exception):
 
 
 class TemporaryError(SandmanError):
-    """Retrying later can help (a service, the API server or a cap may free up)."""
+    """Retrying later can help (a service, the API server or a cap may free up).
+
+    ``retry_after`` is how long the refusing side asked us to wait (seconds), when it
+    said: it belongs to "retry later", so every temporary error can carry it."""
+
+    def __init__(self, *args: object, retry_after: float | None = None) -> None:
+        super().__init__(*args)
+        self.retry_after = retry_after
 
 
 class PermanentError(SandmanError):
@@ -103,10 +111,6 @@ class AtCapacity(InfrastructureError, TemporaryError):
     """The job holds ``max_live`` live sandboxes; nothing was written."""
 
     code = "at_capacity"
-
-    def __init__(self, message: str, *, retry_after: float | None = None) -> None:
-        super().__init__(message)
-        self.retry_after = retry_after
 
 
 class SandboxLost(InfrastructureError, PermanentError):
@@ -157,7 +161,7 @@ class KubeThrottled(KubeError, TemporaryError):
         self, message: str, *, status: int | None = 429, retry_after: float | None = None
     ) -> None:
         super().__init__(message, status=status)
-        self.retry_after = retry_after
+        self.retry_after = retry_after  # KubeError's __init__ does not pass it on
 
 
 class KubeUnavailable(KubeError, TemporaryError, ConnectionError):

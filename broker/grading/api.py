@@ -20,8 +20,10 @@ blocking client in a worker thread, so many gradings can be awaited concurrently
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from contextlib import AbstractContextManager
 from pathlib import Path
+from typing import TypedDict, Unpack
 
 from broker.client.sync import SandboxClient
 from broker.grading.grade import GradeConfig, Grader
@@ -34,22 +36,16 @@ TaskLike = TaskSpec | str | Path
 PatchLike = bytes | str | ExtractedPatch | None
 
 
+# A SandboxRequest field is the client's acquire keyword of the same name, but for these.
+_CLIENT_WORD = {"memory_b": "memory", "timeout_s": "timeout"}
+
+
 def broker_acquire(client: SandboxClient, job: str) -> Acquire:
     """Grading sandboxes from the broker (pools, pacing and checked reuse per the job)."""
 
     def acquire(request: SandboxRequest) -> AbstractContextManager[GradingSandbox]:
-        return client.acquire(
-            image=request.image,
-            job=job,
-            cpu=request.cpu,
-            memory=request.memory_b,
-            timeout=request.timeout_s,
-            role=request.role,
-            image_digest=request.image_digest,
-            base_commit=request.base_commit,
-            workdir=request.workdir,
-            env=request.env,
-        )
+        fields = dataclasses.asdict(request)
+        return client.acquire(job=job, **{_CLIENT_WORD.get(k, k): v for k, v in fields.items()})
 
     return acquire
 
@@ -90,27 +86,19 @@ class GradingClient:
         return await asyncio.to_thread(self.grade_rollout, rollout, task)
 
 
-def grade(
-    task: TaskLike,
-    patch: PatchLike,
-    *,
-    client: SandboxClient | None = None,
-    job: str = "",
-    config: GradeConfig | None = None,
-    acquire: Acquire | None = None,
-) -> GradeResult:
+class GradeOptions(TypedDict, total=False):
+    """The keywords of ``grade``/``agrade``: those of a ``GradingClient``."""
+
+    client: SandboxClient | None
+    job: str
+    config: GradeConfig | None
+    acquire: Acquire | None
+
+
+def grade(task: TaskLike, patch: PatchLike, **options: Unpack[GradeOptions]) -> GradeResult:
     """One-shot ``grade(task, patch)`` (build a GradingClient to grade many)."""
-    return GradingClient(client, job=job, config=config, acquire=acquire).grade(task, patch)
+    return GradingClient(**options).grade(task, patch)
 
 
-async def agrade(
-    task: TaskLike,
-    patch: PatchLike,
-    *,
-    client: SandboxClient | None = None,
-    job: str = "",
-    config: GradeConfig | None = None,
-    acquire: Acquire | None = None,
-) -> GradeResult:
-    gc = GradingClient(client, job=job, config=config, acquire=acquire)
-    return await gc.agrade(task, patch)
+async def agrade(task: TaskLike, patch: PatchLike, **options: Unpack[GradeOptions]) -> GradeResult:
+    return await GradingClient(**options).agrade(task, patch)

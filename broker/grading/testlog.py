@@ -27,13 +27,9 @@ _UT_TAIL = re.compile(
     r"(?:^|\.\.\. )(ok|FAIL|ERROR|skipped.*|expected failure|unexpected success)$"
 )
 _UT_SUMMARY = re.compile(r"^(FAIL|ERROR): (?P<name>[A-Za-z_]\w*) \((?P<where>[\w.]+)\)")
+# pytest's status words are our outcome names in capitals.
 _PY_STATUS = {
-    "PASSED": "passed",
-    "FAILED": "failed",
-    "ERROR": "error",
-    "SKIPPED": "skipped",
-    "XFAIL": "xfail",
-    "XPASS": "xpass",
+    word: word.lower() for word in ("PASSED", "FAILED", "ERROR", "SKIPPED", "XFAIL", "XPASS")
 }
 _PY_SUMMARY = re.compile(r"^(PASSED|FAILED|ERROR|XFAIL|XPASS) (?P<id>\S.*?)(?: - .*)?$")
 _PY_VERBOSE = re.compile(r"^(?P<id>\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b")

@@ -6,10 +6,12 @@ commit is what makes every pod we might create provably ours (nonce + determinis
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import hashlib
 import hmac
 import secrets
+from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import func, select, text
@@ -171,9 +173,32 @@ def transition(
     )
 
 
+@dataclass(frozen=True)
+class Subject:
+    """What an event is about when no sandbox row is at hand (an API call on a pod spec,
+    a leak): the four identity columns an event row copies, in one value so every such
+    caller names them once."""
+
+    sandbox_id: str | None
+    job: str | None
+    pod_name: str | None
+    nonce: str | None
+
+    @classmethod
+    def of_row(cls, row: Sandbox) -> Subject:
+        return cls(row.id, row.job, row.pod_name, row.nonce)
+
+    @classmethod
+    def of_leak(cls, leak: Leak) -> Subject:
+        return cls(leak.sandbox_id, leak.job, leak.pod_name, leak.nonce)
+
+
+_NOBODY = Subject(None, None, None, None)
+
+
 def append_event(
     session: Session,
-    row: Sandbox | None,
+    about: Sandbox | Subject | None,
     *,
     kind: str,
     action: str,
@@ -182,17 +207,12 @@ def append_event(
     outcome: str | None = None,
     actor: str = "broker",
     detail: dict[str, Any] | None = None,
-    job: str | None = None,
-    pod_name: str | None = None,
-    nonce: str | None = None,
-    sandbox_id: str | None = None,
 ) -> Event:
+    """Append one event row about a sandbox row, a ``Subject``, or nothing (a GC pass)."""
+    subject = Subject.of_row(about) if isinstance(about, Sandbox) else about or _NOBODY
     event = Event(
         at=utcnow(),
-        sandbox_id=row.id if row else sandbox_id,
-        job=row.job if row else job,
-        pod_name=row.pod_name if row else pod_name,
-        nonce=row.nonce if row else nonce,
+        **dataclasses.asdict(subject),
         kind=kind,
         action=action,
         from_state=str(from_state) if from_state else None,
@@ -241,8 +261,11 @@ def lock_row(session: Session, sandbox_id: str) -> Sandbox | None:
     ).first()
 
 
-def record_leak(session: Session, kind: str, **fields: Any) -> Leak:
-    leak = Leak(kind=kind, detected_at=utcnow(), detail=fields.pop("detail", {}), **fields)
+def record_leak(session: Session, kind: str, about: Subject | None = None, **fields: Any) -> Leak:
+    """Add an open leak; ``about`` fills its identity columns (sandbox, job, pod, nonce)."""
+    identity = dataclasses.asdict(about) if about is not None else {}
+    detail = fields.pop("detail", {})
+    leak = Leak(kind=kind, detected_at=utcnow(), detail=detail, **identity, **fields)
     session.add(leak)
     session.flush()
     return leak

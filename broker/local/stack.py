@@ -45,42 +45,33 @@ def child_env(settings: Settings, database_url: str, redis_url: str) -> dict[str
     return env
 
 
-def worker_argv(name: str, queues: str, threads: int, loglevel: str = "INFO") -> list[str]:
+def celery_argv(command: str, *args: str, loglevel: str = "INFO") -> list[str]:
+    """``celery -A workers.app COMMAND ARGS --loglevel L`` under this interpreter: the one
+    spelling of a Celery child, so workers and beat start the same app the same way."""
     return [
         sys.executable,
         "-m",
         "celery",
         "-A",
         "workers.app",
-        "worker",
-        "-Q",
-        queues,
-        "-P",
-        "threads",
-        "-c",
-        str(threads),
-        "-n",
-        f"{name}-{os.getpid()}@%h",
-        "--without-gossip",
-        "--without-mingle",
+        command,
+        *args,
         "--loglevel",
         loglevel,
     ]
+
+
+def worker_argv(name: str, queues: str, threads: int, loglevel: str = "INFO") -> list[str]:
+    return celery_argv(
+        "worker",
+        *("-Q", queues, "-P", "threads", "-c", str(threads), "-n", f"{name}-{os.getpid()}@%h"),
+        *("--without-gossip", "--without-mingle"),
+        loglevel=loglevel,
+    )
 
 
 def beat_argv(schedule: Path, loglevel: str = "INFO") -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "celery",
-        "-A",
-        "workers.app",
-        "beat",
-        "-s",
-        str(schedule),
-        "--loglevel",
-        loglevel,
-    ]
+    return celery_argv("beat", "-s", str(schedule), loglevel=loglevel)
 
 
 @dataclass

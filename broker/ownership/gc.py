@@ -158,17 +158,7 @@ def _act(provider: Provider, report: GcReport, row: Sandbox, action: str, why: s
         return
     try:
         with provider.sessions.begin() as session:
-            store.record_leak(
-                session,
-                why,
-                namespace=row.namespace,
-                pod_name=row.pod_name,
-                sandbox_id=row.id,
-                nonce=row.nonce,
-                job=row.job,
-                resolved_at=None,
-                resolution=None,
-            )
+            store.record_leak(session, why, store.Subject.of_row(row), namespace=row.namespace)
         provider.release(row.id, actor="gc", reason=why, creator_gone=why == "stuck_create")
         with provider.sessions.begin() as session:
             fresh = session.get(Sandbox, row.id)
@@ -259,11 +249,8 @@ def _delete_late(
                 store.record_leak(
                     session,
                     "late_pod",
+                    store.Subject(row.id, row.job, pod.name, row.nonce),
                     namespace=pod.namespace,
-                    pod_name=pod.name,
-                    sandbox_id=row.id,
-                    nonce=row.nonce,
-                    job=row.job,
                     resolved_at=utcnow(),
                     resolution="deleted",
                     resolved_by="gc",
@@ -305,13 +292,12 @@ def _open_leak(provider: Provider, report: GcReport, kind: str, pod: PodInfo) ->
             )
         ).first()
         if exists is None:
+            about = store.Subject(None, pod.labels.get(names.LABEL_JOB), pod.name, pod.nonce)
             store.record_leak(
                 session,
                 kind,
+                about,
                 namespace=pod.namespace,
-                pod_name=pod.name,
-                nonce=pod.nonce,
-                job=pod.labels.get(names.LABEL_JOB),
                 detail={
                     "labels": pod.labels,
                     "reason": "no ledger row matches this pod's nonce: not provably ours",

@@ -168,15 +168,11 @@ def _resolve(
             leak.sandbox_id = detail["sandbox_id"]
         store.append_event(
             session,
-            None,
+            store.Subject.of_leak(leak),
             kind="admin",
             action=f"leak-{resolution}",
             outcome=resolution,
             actor=actor,
-            sandbox_id=leak.sandbox_id,
-            job=leak.job,
-            pod_name=leak.pod_name,
-            nonce=leak.nonce,
             detail={"leak_id": leak.id, "leak_kind": leak.kind, **detail},
         )
     return msg
@@ -188,15 +184,11 @@ def _audit(
     with parts.sessions.begin() as session:
         store.append_event(
             session,
-            None,
+            store.Subject.of_leak(view.leak),
             kind="admin",
             action=action,
             outcome=outcome,
             actor=actor,
-            sandbox_id=view.leak.sandbox_id,
-            job=view.leak.job,
-            pod_name=view.leak.pod_name,
-            nonce=view.leak.nonce,
             detail={"leak_id": view.leak.id, **detail},
         )
 

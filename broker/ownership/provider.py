@@ -19,6 +19,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import KW_ONLY, dataclass, field
 
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -53,30 +54,33 @@ DELETE_CONFIRM_S = 60.0
 JOB_TTL_S = 2.0
 
 
-class Provider:
-    """Creates, hands out and releases sandboxes; the only writer of pod lifecycles."""
+def _no_failpoint(name: str) -> None:
+    """The production failpoint: nothing happens."""
 
-    def __init__(
-        self,
-        settings: Settings,
-        sessions: sessionmaker[Session],
-        backend: Backend,
-        *,
-        actor: str = "broker",
-        sleep: Callable[[float], None] = time.sleep,
-        probe: Callable[[str, str], bool] | None = None,
-        failpoint: Callable[[str], None] | None = None,
-    ) -> None:
-        self.settings = settings
-        self.sessions = sessions
-        self.backend = backend
-        self.actor = actor
-        self._sleep = sleep
-        self._probe = probe or (execd_answers)
-        self._key = broker_key(settings)
-        # Named points where a test can kill the process (SIGKILL) to open a crash window.
-        self._failpoint = failpoint or (lambda name: None)
-        self._jobs: dict[str, tuple[float, Job]] = {}
+
+@dataclass(eq=False)
+class Provider:
+    """Creates, hands out and releases sandboxes; the only writer of pod lifecycles.
+
+    A dataclass because the constructor only takes its parts; ``sleep``, ``probe`` and
+    ``failpoint`` are the seams tests replace (no real waiting, no execd, a SIGKILL at a
+    named crash window). ``eq=False`` keeps identity equality: two providers are never
+    "the same" because their parts are."""
+
+    settings: Settings
+    sessions: sessionmaker[Session]
+    backend: Backend
+    _: KW_ONLY
+    actor: str = "broker"
+    sleep: Callable[[float], None] = time.sleep
+    probe: Callable[[str, str], bool] = execd_answers
+    # Named points where a test can kill the process (SIGKILL) to open a crash window.
+    failpoint: Callable[[str], None] = _no_failpoint
+    _key: bytes = field(init=False, repr=False)
+    _jobs: dict[str, tuple[float, Job]] = field(init=False, repr=False, default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._key = broker_key(self.settings)
 
     # -- 1. intent --------------------------------------------------------------------
 
@@ -136,7 +140,7 @@ class Provider:
                 actor=self.actor,
             )
             result = row.id, token
-        self._failpoint("after-intent")
+        self.failpoint("after-intent")
         return result
 
     # -- 2/3/4. create ----------------------------------------------------------------
@@ -165,7 +169,7 @@ class Provider:
             spec = self._pod_spec(row, job, token, workdir, env or {})
             budget = job.readiness_budget_s
             allow = list(job.egress_allow or [])
-        self._failpoint("after-creating-commit")
+        self.failpoint("after-creating-commit")
         # The readiness audit row (API server + node time) rides on the ready or failure
         # commit instead of a transaction of its own.
         audit: list[dict[str, object]] = []
@@ -173,12 +177,12 @@ class Provider:
             self._ensure_guards(spec, allow)
             sent = time.monotonic()
             info = self._submit(spec)
-            self._failpoint("after-create-sent")
+            self.failpoint("after-create-sent")
             info = self._await_ready(spec, token, budget, started, give_up)
             audit.append(
                 {"action": "ready", "outcome": "observed", "api_s": time.monotonic() - sent}
             )
-            self._failpoint("before-ready-commit")
+            self.failpoint("before-ready-commit")
         except BaseException as exc:
             self._settle_failure(sandbox_id, spec, exc, audit)
             raise
@@ -249,7 +253,7 @@ class Provider:
                     pod_name=spec.name,
                     nonce=found.nonce,
                 )
-            self._sleep(min(delay, 10.0))
+            self.sleep(min(delay, 10.0))
             delay *= 2
         raise CreateFailed(
             f"create of {spec.name} did not settle after {MAX_CREATE_ATTEMPTS} tries"
@@ -262,7 +266,7 @@ class Provider:
                 return self.backend.get(spec.namespace, spec.name)
             except (KubeUnavailable, KubeThrottled) as exc:
                 self._api_event(spec, "read-back", "unavailable", error=str(exc))
-                self._sleep(delay)
+                self.sleep(delay)
                 delay = min(delay * 2, 5.0)
         raise KubeUnavailable(f"cannot read back {spec.name}; the GC will settle it")
 
@@ -303,14 +307,14 @@ class Provider:
                 # The pod exists; an API server that is briefly away does not make it
                 # fail. Keep waiting within the readiness budget.
                 log.info("readiness of %s: API unavailable (%s); waiting on", spec.name, exc)
-                self._sleep(0.5)
+                self.sleep(0.5)
                 continue
             if latest is None or not latest.ready or not latest.address:
                 continue
-            if spec.simulated_readiness or self._probe(latest.address, token):
+            if spec.simulated_readiness or self.probe(latest.address, token):
                 return latest
             else:
-                self._sleep(0.1)  # Ready but execd does not answer us yet: poll gently
+                self.sleep(0.1)  # Ready but execd does not answer us yet: poll gently
 
     def _cancelled(self, sandbox_id: str, give_up: threading.Event | None) -> bool:
         if give_up is not None and give_up.is_set():
@@ -456,7 +460,7 @@ class Provider:
                 )
                 return
             namespace, name, nonce = row.namespace, row.pod_name, row.nonce
-        self._failpoint("after-releasing-commit")
+        self.failpoint("after-releasing-commit")
         self.delete_confirmed(sandbox_id, namespace, name, nonce, actor=actor)
 
     def delete_confirmed(
@@ -466,7 +470,7 @@ class Provider:
         error: str | None = None
         try:
             self.backend.delete(namespace, name, nonce)
-            self._failpoint("after-delete-sent")
+            self.failpoint("after-delete-sent")
             if not self.backend.wait_gone(namespace, name, DELETE_CONFIRM_S):
                 raise KubeUnavailable(f"{name} still present after {DELETE_CONFIRM_S}s")
         except KubeError as exc:
@@ -530,16 +534,13 @@ class Provider:
     def _api_event(self, spec: PodSpec, action: str, outcome: str, **detail: object) -> None:
         with self.sessions.begin() as session:
             store.audit_only(session)
+            about = store.Subject(spec.sandbox_id, spec.job, spec.name, spec.nonce)
             store.append_event(
                 session,
-                None,
+                about,
                 kind="api",
                 action=action,
                 outcome=outcome,
                 actor=self.actor,
-                job=spec.job,
-                pod_name=spec.name,
-                nonce=spec.nonce,
-                sandbox_id=spec.sandbox_id,
                 detail=dict(detail),
             )

@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime as dt
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import select
@@ -34,22 +35,17 @@ REFILL_BUDGET_S = 900.0  # a refill waits this long for a pacer token before giv
 UPKEEP_LOCK_TTL_S = 30
 
 
+@dataclass(eq=False)
 class PoolUpkeep:
-    """The server side of warm pools: publish ready members, refill, trim, expire."""
+    """The server side of warm pools: publish ready members, refill, trim, expire.
 
-    def __init__(
-        self,
-        settings: Settings,
-        sessions: sessionmaker[Session],
-        provider: Provider,
-        warm: WarmStore,
-        enqueue: Enqueue,
-    ) -> None:
-        self.settings = settings
-        self.sessions = sessions
-        self.provider = provider
-        self.warm = warm
-        self.enqueue = enqueue
+    A dataclass: it only holds the parts the composition root hands it."""
+
+    settings: Settings
+    sessions: sessionmaker[Session]
+    provider: Provider
+    warm: WarmStore
+    enqueue: Enqueue
 
     def publish(self, sandbox_id: str, token: str) -> None:
         """Offer a ready, unclaimed pool member for warm claims (its full lease in Redis)."""

@@ -136,6 +136,14 @@ def read_json(what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> d
     raise AssertionError("unreachable")
 
 
+def read_json_or_none(what: str, fn: Callable[..., Any], *args: Any) -> dict[str, Any] | None:
+    """``read_json`` where a 404 is an answer (the object is absent), not an error."""
+    try:
+        return read_json(what, fn, *args)
+    except KubeNotFound:
+        return None
+
+
 def _json_lines(resp: Any) -> Iterator[dict[str, Any]]:
     """Parse a watch stream (one JSON object per line) without the client's models."""
     pending = b""
@@ -161,10 +169,7 @@ class Kube:
         return call_json("create pod", self.core.create_namespaced_pod, namespace, body)
 
     def get_pod(self, namespace: str, name: str) -> dict[str, Any] | None:
-        try:
-            return read_json("read pod", self.core.read_namespaced_pod, name, namespace)
-        except KubeNotFound:
-            return None
+        return read_json_or_none("read pod", self.core.read_namespaced_pod, name, namespace)
 
     def delete_pod(self, namespace: str, name: str, *, uid: str | None, grace_s: int = 0) -> None:
         """Delete with a UID precondition, so a same-named replacement is never removed."""
@@ -250,12 +255,8 @@ class Kube:
                 resp.release_conn()
 
     def get_configmap(self, namespace: str, name: str) -> dict[str, Any] | None:
-        try:
-            return read_json(
-                "read configmap", self.core.read_namespaced_config_map, name, namespace
-            )
-        except KubeNotFound:
-            return None
+        read = self.core.read_namespaced_config_map
+        return read_json_or_none("read configmap", read, name, namespace)
 
     def create_configmap(self, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
         return call_json(
@@ -263,12 +264,8 @@ class Kube:
         )
 
     def get_network_policy(self, namespace: str, name: str) -> dict[str, Any] | None:
-        try:
-            return read_json(
-                "read networkpolicy", self.net.read_namespaced_network_policy, name, namespace
-            )
-        except KubeNotFound:
-            return None
+        read = self.net.read_namespaced_network_policy
+        return read_json_or_none("read networkpolicy", read, name, namespace)
 
     def create_network_policy(self, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
         return call_json(
