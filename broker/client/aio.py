@@ -19,30 +19,26 @@ import contextlib
 import datetime as dt
 import time
 from collections.abc import AsyncIterator, Iterable
-from typing import Any
+from typing import Any, Unpack
 
 import httpx
 import redis.asyncio as aredis
 from redis.exceptions import RedisError
 
 from broker.client import core
-from broker.client.enqueue import Enqueuer
-from broker.errors import SandboxLost, SandmanError, ServiceUnavailable
+from broker.client.base import ClientBase, ClientOptions, SandboxBase
+from broker.errors import SandmanError, ServiceUnavailable
 from broker.wire import mailbox, warm
-from broker.wire.execd import AsyncExecdCalls, Call, Endpoint
+from broker.wire.execd import AsyncExecdCalls, Call
 from broker.wire.types import Lease
 
 
-class AsyncSandbox(AsyncExecdCalls):
+class AsyncSandbox(SandboxBase, AsyncExecdCalls):
     """One acquired sandbox; ``await sb.exec(...)`` and friends."""
 
     def __init__(self, client: AsyncSandboxClient, lease: Lease, *, acquire_s: float) -> None:
+        super().__init__(lease, acquire_s=acquire_s)
         self.client = client
-        self.lease = lease
-        self.id = lease.sandbox_id
-        self.acquire_s = acquire_s
-        self.released = False
-        self._execd = Endpoint(lease.address, lease.token, who=f"execd of {self.id}")
 
     def __repr__(self) -> str:
         return f"AsyncSandbox({self.id!r}, address={self.lease.address!r})"
@@ -54,8 +50,7 @@ class AsyncSandbox(AsyncExecdCalls):
         await self.release()
 
     async def _send(self, call: Call) -> dict[str, Any]:
-        if self.released:
-            raise SandboxLost(f"sandbox {self.id} was already released")
+        self._check_held()
         return await self._execd.send_async(self.client.http, call)
 
     async def healthy(self, timeout: float = 2.0) -> bool:
@@ -66,11 +61,9 @@ class AsyncSandbox(AsyncExecdCalls):
 
     async def release(self) -> None:
         """Idempotent: queue the release (checked reuse or delete happens in a worker)."""
-        if self.released:
-            return
-        self.released = True
-        self.client.heartbeats.remove(self.id)
-        await self.client.send(*core.release_message(self.id))
+        if self._first_release():
+            self.client.heartbeats.remove(self.id)
+            await self.client.send(*core.release_message(self.id))
 
 
 class AsyncHeartbeats:
@@ -113,35 +106,18 @@ class AsyncHeartbeats:
             self._wake.clear()
 
 
-class AsyncSandboxClient:
+class AsyncSandboxClient(ClientBase):
     """asyncio entry point for trainers; use as ``async with``."""
 
-    def __init__(
-        self,
-        redis_url: str,
-        *,
-        owner: str | None = None,
-        heartbeat_s: float | None = None,
-        max_connections: int = 512,
-    ) -> None:
-        self.redis_url = redis_url
-        self.owner = owner or core.default_owner()
-        self.heartbeat_s = heartbeat_s
-        self.redis = aredis.Redis.from_url(
-            redis_url, max_connections=max_connections, **core.REDIS_OPTIONS
-        )
-        self._claim = self.redis.register_script(warm.CLAIM_LUA)
-        self._cancel = self.redis.register_script(mailbox.CANCEL_LUA)
-        self.http = httpx.AsyncClient(
-            limits=httpx.Limits(
-                max_connections=max_connections, max_keepalive_connections=max_connections
-            ),
-            timeout=core.HTTP_TIMEOUT_S,
-        )
-        self.enqueuer = Enqueuer(redis_url)
+    def __init__(self, redis_url: str, **options: Unpack[ClientOptions]) -> None:
+        super().__init__(redis_url, **options)
+        self.redis = aredis.Redis.from_url(redis_url, **self.redis_options())
+        self.http = httpx.AsyncClient(**self.http_options())
         self.heartbeats = AsyncHeartbeats(self)
         # Ledger hand-outs of warm hits are sent off the trainer's critical path.
         self._later: set[asyncio.Task[None]] = set()
+        self._claim = self.redis.register_script(warm.CLAIM_LUA)
+        self._cancel = self.redis.register_script(mailbox.CANCEL_LUA)
 
     @classmethod
     async def from_settings(cls, settings: Any, **kwargs: Any) -> AsyncSandboxClient:

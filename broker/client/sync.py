@@ -29,17 +29,17 @@ import queue
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Unpack
 
 import httpx
 import redis as redis_lib
 
 from broker.client import core
-from broker.client.enqueue import Enqueuer
-from broker.errors import SandboxLost, SandmanError, ServiceUnavailable
+from broker.client.base import ClientBase, ClientOptions, SandboxBase
+from broker.errors import SandmanError, ServiceUnavailable
 from broker.names import Queue
 from broker.wire import mailbox, warm
-from broker.wire.execd import Call, Endpoint, ExecdCalls, ExecResult
+from broker.wire.execd import Call, ExecdCalls, ExecResult
 from broker.wire.types import Lease
 
 __all__ = ["QUEUE_ACQUIRE", "QUEUE_RELEASE", "ExecResult", "Heartbeats", "Sandbox", "SandboxClient"]
@@ -47,16 +47,12 @@ __all__ = ["QUEUE_ACQUIRE", "QUEUE_RELEASE", "ExecResult", "Heartbeats", "Sandbo
 QUEUE_ACQUIRE, QUEUE_RELEASE = Queue.ACQUIRE, Queue.RELEASE
 
 
-class Sandbox(ExecdCalls):
+class Sandbox(SandboxBase, ExecdCalls):
     """One acquired sandbox: execd calls over the client's shared keep-alive HTTP pool."""
 
     def __init__(self, client: SandboxClient, lease: Lease, *, acquire_s: float) -> None:
+        super().__init__(lease, acquire_s=acquire_s)
         self.client = client
-        self.lease = lease
-        self.id = lease.sandbox_id
-        self.acquire_s = acquire_s
-        self.released = False
-        self._execd = Endpoint(lease.address, lease.token, who=f"execd of {self.id}")
 
     def __repr__(self) -> str:
         return f"Sandbox({self.id!r}, address={self.lease.address!r}, warm={self.lease.warm})"
@@ -68,8 +64,7 @@ class Sandbox(ExecdCalls):
         self.release()
 
     def _send(self, call: Call) -> dict[str, Any]:
-        if self.released:
-            raise SandboxLost(f"sandbox {self.id} was already released")
+        self._check_held()
         return self._execd.send(self.client.http, call)
 
     def healthy(self, timeout: float = 2.0) -> bool:
@@ -80,11 +75,9 @@ class Sandbox(ExecdCalls):
 
     def release(self) -> None:
         """Idempotent: queue the release (checked reuse or delete happens in a worker)."""
-        if self.released:
-            return
-        self.released = True
-        self.client.heartbeats.remove(self.id)
-        self.client.send(*core.release_message(self.id))
+        if self._first_release():
+            self.client.heartbeats.remove(self.id)
+            self.client.send(*core.release_message(self.id))
 
 
 class Heartbeats:
@@ -137,37 +130,20 @@ class Heartbeats:
             self._wake.clear()
 
 
-class SandboxClient:
+class SandboxClient(ClientBase):
     """Entry point for trainers. Thread-safe; one per process is enough."""
 
-    def __init__(
-        self,
-        redis_url: str,
-        *,
-        owner: str | None = None,
-        heartbeat_s: float | None = None,
-        max_connections: int = 512,
-    ) -> None:
-        self.redis_url = redis_url
-        self.owner = owner or core.default_owner()
-        self.heartbeat_s = heartbeat_s
-        self.redis = redis_lib.Redis.from_url(
-            redis_url, max_connections=max_connections, **core.REDIS_OPTIONS
-        )
-        self._claim = self.redis.register_script(warm.CLAIM_LUA)
-        self._cancel = self.redis.register_script(mailbox.CANCEL_LUA)
-        self.http = httpx.Client(
-            limits=httpx.Limits(
-                max_connections=max_connections, max_keepalive_connections=max_connections
-            ),
-            timeout=core.HTTP_TIMEOUT_S,
-        )
-        self.enqueuer = Enqueuer(redis_url)
+    def __init__(self, redis_url: str, **options: Unpack[ClientOptions]) -> None:
+        super().__init__(redis_url, **options)
+        self.redis = redis_lib.Redis.from_url(redis_url, **self.redis_options())
+        self.http = httpx.Client(**self.http_options())
         self.heartbeats = Heartbeats(self)
         # Ledger hand-outs of warm hits are sent off the trainer's critical path.
         self._later: queue.SimpleQueue[core.Outbound | None] = queue.SimpleQueue()
         self._sender = threading.Thread(target=self._send_later, name="sandman-send", daemon=True)
         self._sender.start()
+        self._claim = self.redis.register_script(warm.CLAIM_LUA)
+        self._cancel = self.redis.register_script(mailbox.CANCEL_LUA)
 
     def _send_later(self) -> None:
         """Drain whatever queued up and send it in pipelined batches: during a burst of
