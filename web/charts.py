@@ -37,6 +37,14 @@ def _frame(title: str, body: list[str], label: str) -> Markup:
     return Markup(head + "".join(body) + "</svg>")  # noqa: S704 (all parts escaped above)
 
 
+def _headline(text: str) -> str:
+    """The chart's one figure (a count, the latest value) in its top-right corner."""
+    return (
+        f'<text x="{W - PAD_R}" y="16" font-size="11" text-anchor="end" fill="{MUTED}">'
+        f"{escape(text)}</text>"
+    )
+
+
 def _y_axis(top: float) -> list[str]:
     out = []
     for i in range(5):
@@ -97,10 +105,7 @@ def histogram(title: str, bounds: Sequence[float], cumulative: Sequence[int], un
             f'text-anchor="middle" fill="{MUTED}">{escape(label)}</text>'
         )
     total = cumulative[-1]
-    body.append(
-        f'<text x="{W - PAD_R}" y="16" font-size="11" text-anchor="end" fill="{MUTED}">'
-        f"n={total}</text>"
-    )
+    body.append(_headline(f"n={total}"))
     return _frame(title, body, f"{title}: {total} samples")
 
 
@@ -126,10 +131,7 @@ def series(title: str, points: Sequence[tuple[dt.datetime, float]], unit: str = 
             f'fill="{MUTED}">{points[i][0].astimezone(dt.UTC):%H:%M}</text>'
         )
     last = values[-1]
-    body.append(
-        f'<text x="{W - PAD_R}" y="16" font-size="11" text-anchor="end" fill="{MUTED}">'
-        f"now {escape(_fmt(last))}{escape(unit)}</text>"
-    )
+    body.append(_headline(f"now {_fmt(last)}{unit}"))
     return _frame(title, body, f"{title}: latest {_fmt(last)}{unit}")
 
 

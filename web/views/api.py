@@ -14,7 +14,7 @@ from broker.ownership import leaks as leakops
 from web import listing, params, serialize, stats
 from web.openapi import spec
 from web.views import actor, audit, jobs, root, sandboxes
-from web.views.leaks import query_leaks
+from web.views.leaks import LeakFilter, query_leaks
 
 bp = Blueprint("api", __name__, url_prefix="/api")
 
@@ -78,9 +78,7 @@ def sandbox_detail(sandbox_id: str) -> Any:
 @bp.route("/leaks")
 def leak_list() -> Any:
     try:
-        status = params.choice(request.args, "status", ("open", "resolved", "all"), "open")
-        kind = params.text(request.args, "kind", 32)
-        before = params.integer(request.args, "before", 1, params.MAX_BIGINT)
+        status, kind, before = LeakFilter.from_args(request.args)
     except params.ParamError as exc:
         return error(400, "bad_request", str(exc))
     with root().sessions() as session:

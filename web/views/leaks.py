@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 from flask import Blueprint, abort, flash, redirect, render_template, request, url_for
 from sqlalchemy import select
@@ -15,6 +15,23 @@ from web.views import actor, live_args, root, wants_fragment
 
 bp = Blueprint("leaks", __name__, url_prefix="/leaks")
 PAGE = 100
+
+
+class LeakFilter(NamedTuple):
+    """The leak list's filters, read the same way by the page and the JSON API."""
+
+    status: str
+    kind: str
+    before: int | None
+
+    @classmethod
+    def from_args(cls, args: Any) -> LeakFilter:
+        """Raises ``params.ParamError`` (HTTP 400) on a value the list cannot use."""
+        return cls(
+            params.choice(args, "status", ("open", "resolved", "all"), "open"),
+            params.text(args, "kind", 32),
+            params.integer(args, "before", 1, params.MAX_BIGINT),
+        )
 
 
 def query_leaks(session: Any, status: str, kind: str, before: int | None) -> list[Leak]:
@@ -33,9 +50,7 @@ def query_leaks(session: Any, status: str, kind: str, before: int | None) -> lis
 @bp.route("")
 def index() -> Any:
     try:
-        status = params.choice(request.args, "status", ("open", "resolved", "all"), "open")
-        kind = params.text(request.args, "kind", 32)
-        before = params.integer(request.args, "before", 1, params.MAX_BIGINT)
+        status, kind, before = LeakFilter.from_args(request.args)
     except params.ParamError as exc:
         abort(400, str(exc))
     parts = root()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 from flask import Blueprint, abort, flash, redirect, render_template, request, url_for
 from sqlalchemy import select
@@ -76,7 +76,17 @@ def read_pod(row: Sandbox) -> tuple[Any, str]:
     return pod, "present"
 
 
-def load(sandbox_id: str) -> tuple[Sandbox, list[Event], list[Leak], bool]:
+class Detail(NamedTuple):
+    """What the ledger says of one sandbox: its row, its newest events (``more_events``
+    when some were cut off) and its leaks; the names are the detail template's."""
+
+    row: Sandbox
+    events: list[Event]
+    leaks: list[Leak]
+    more_events: bool
+
+
+def load(sandbox_id: str) -> Detail:
     with root().sessions() as session:
         row = session.get(Sandbox, sandbox_id)
         if row is None:
@@ -95,24 +105,17 @@ def load(sandbox_id: str) -> tuple[Sandbox, list[Event], list[Leak], bool]:
             )
         )
         session.expunge_all()
-    more = len(events) > EVENTS_SHOWN
-    return row, events[:EVENTS_SHOWN], leaks, more
+    return Detail(row, events[:EVENTS_SHOWN], leaks, len(events) > EVENTS_SHOWN)
 
 
 @bp.route("/<sandbox_id>")
 def detail(sandbox_id: str) -> Any:
-    row, events, leaks, more = load(sandbox_id)
-    pod, pod_status = read_pod(row)
+    page = load(sandbox_id)
+    pod, pod_status = read_pod(page.row)
     template = "partials/sandbox_live.html" if wants_fragment() else "sandbox.html"
+    releasable = page.row.state != State.DELETED
     return render_template(
-        template,
-        row=row,
-        events=events,
-        leaks=leaks,
-        more_events=more,
-        pod=pod,
-        pod_status=pod_status,
-        releasable=row.state != State.DELETED,
+        template, **page._asdict(), pod=pod, pod_status=pod_status, releasable=releasable
     )
 
 
