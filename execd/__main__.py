@@ -19,6 +19,7 @@ from . import rundir as rundir_mod
 from .api import App
 from .reaper import Reaper, become_subreaper
 from .server import Server
+from .session import Launch
 from .shell import Shell
 from .state import StateKeeper
 
@@ -142,7 +143,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     reaper = Reaper()
     reaper.start()
     rundir = rundir_mod.create()
-    shell = Shell(bash, workdir, dict(os.environ), rundir, reaper)
+    shell = Shell(Launch(bash, workdir, dict(os.environ), reaper), rundir)
     shell.start()
     state = StateKeeper(shell, workdir, rundir)
     app = App(token, shell, state, args.max_body_bytes, umask)

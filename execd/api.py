@@ -8,6 +8,7 @@ refused from its Content-Length alone.
 import hmac
 import os
 import time
+from dataclasses import dataclass, field
 from typing import Callable, Dict, Tuple, Union
 
 from . import __version__, errors, files, validate
@@ -23,16 +24,18 @@ WRITE = "/v1/files/write"
 Handler = Callable[[Doc], Union[Doc, Response]]
 
 
+@dataclass
 class App:
-    def __init__(
-        self, token: bytes, shell: Shell, state: StateKeeper, max_body: int, umask: int
-    ) -> None:
-        self._token = token
-        self.shell = shell
-        self.state = state
-        self.max_body = max_body
-        self.umask = umask
-        self.started = time.time()
+    """The request handler the server calls; ``token`` empty means no authentication."""
+
+    token: bytes = field(repr=False)  # never in a log line
+    shell: Shell
+    state: StateKeeper
+    max_body: int
+    umask: int
+    started: float = field(default_factory=time.time, init=False)
+
+    def __post_init__(self) -> None:
         self.routes: Dict[str, Tuple[str, Handler]] = {
             "/healthz": ("GET", self.healthz),
             "/v1/info": ("GET", self.info),
@@ -68,13 +71,13 @@ class App:
         return result if isinstance(result, Response) else Response(200, result)
 
     def _authenticate(self, req: Request) -> None:
-        if not self._token:
+        if not self.token:
             return  # --insecure-no-auth
         header = req.headers.get("authorization", "")
         scheme, _, given = header.partition(" ")
         # Compare bytes in constant time; never log or echo what was given.
         if scheme.lower() != "bearer" or not hmac.compare_digest(
-            given.strip().encode("latin-1", "replace"), self._token
+            given.strip().encode("latin-1", "replace"), self.token
         ):
             raise errors.Unauthorized("missing or wrong bearer token")
 
@@ -90,7 +93,7 @@ class App:
             "uptime_s": round(time.time() - self.started, 3),
         }
         out.update(self.shell.info())
-        out["orphans_reaped"] = self.shell.reaper.orphans_reaped
+        out["orphans_reaped"] = self.shell.launch.reaper.orphans_reaped
         return out
 
     def heartbeat(self, _doc: Doc) -> Doc:

@@ -17,7 +17,7 @@ import select
 import signal
 import threading
 import time
-from typing import Dict, List, Optional, Set, Tuple
+from typing import Dict, List, NamedTuple, Optional, Set, Tuple
 
 from . import bashproto, proc
 from .output import BoundedCapture
@@ -49,10 +49,20 @@ class SessionError(RuntimeError):
     pass
 
 
+class Launch(NamedTuple):
+    """How every bash of one execd starts: the binary, its starting directory and
+    environment, and the reaper that learns of its exit (one per shell, reused for
+    each fresh session after a dead one)."""
+
+    bash: str
+    workdir: str
+    env: Dict[str, str]
+    reaper: Reaper
+
+
 class Session:
-    def __init__(
-        self, bash: str, workdir: str, env: Dict[str, str], script: str, reaper: Reaper
-    ) -> None:
+    def __init__(self, launch: Launch, script: str) -> None:
+        bash, workdir, env, reaper = launch
         self.script = script
         self.dead = False
         self.exit_status: Optional[int] = None

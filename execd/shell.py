@@ -11,25 +11,19 @@ import logging
 import os
 import threading
 import time
-from typing import Dict, Optional, Tuple
+from typing import Optional, Tuple
 
 from . import errors, proc
-from .reaper import Reaper
-from .session import Call, Session, SessionError
+from .session import Call, Launch, Session, SessionError
 from .validate import Doc
 
 log = logging.getLogger("execd.shell")
 
 
 class Shell:
-    def __init__(
-        self, bash: str, workdir: str, env: Dict[str, str], runtime_dir: str, reaper: Reaper
-    ) -> None:
-        self.bash = bash
-        self.workdir = workdir
-        self.env = env
+    def __init__(self, launch: Launch, runtime_dir: str) -> None:
+        self.launch = launch
         self.runtime_dir = runtime_dir
-        self.reaper = reaper
         self.lock = threading.Lock()
         self.session: Optional[Session] = None
         self._restart_pending = False
@@ -46,7 +40,7 @@ class Shell:
             # shape (its alias text) must not differ after a restart.
             script = os.path.join(self.runtime_dir, "command")
             try:
-                session = Session(self.bash, self.workdir, self.env, script, self.reaper)
+                session = Session(self.launch, script)
             except (SessionError, OSError) as exc:  # e.g. out of pids or memory
                 raise errors.Unavailable("cannot start bash: %s" % exc, "session_failed") from None
             self.session = session

@@ -25,6 +25,7 @@ import os
 import shutil
 import threading
 import time
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Set, Tuple
 
 from . import errors, proc, sessionstate, treescan, validate
@@ -34,25 +35,17 @@ from .validate import Doc
 MAX_ITEMS = 200
 
 
+@dataclass
 class Baseline:
-    def __init__(
-        self,
-        *,
-        root: str,
-        watch: List[str],
-        skip: Dict[str, List[str]],
-        tree: treescan.Tree,
-        watched: Dict[str, treescan.Tree],
-        procs: Dict[Tuple[int, int], str],
-        session: sessionstate.SessionState,
-    ) -> None:
-        self.root = root
-        self.watch = watch
-        self.skip = skip
-        self.tree = tree
-        self.watched = watched
-        self.procs = procs
-        self.session = session
+    """What ``/v1/baseline`` recorded; the check and the restore compare against it."""
+
+    root: str
+    watch: List[str]
+    skip: Dict[str, List[str]]
+    tree: treescan.Tree
+    watched: Dict[str, treescan.Tree]
+    procs: Dict[Tuple[int, int], str]
+    session: sessionstate.SessionState
 
 
 class StateKeeper:
