@@ -13,7 +13,6 @@ import os
 import secrets
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,9 +20,12 @@ from pathlib import Path
 import pytest
 import redis
 
+from broker.local.stack import worker_argv
+from broker.names import Queue
 from broker.settings import Settings
 
 REPO = Path(__file__).resolve().parents[2]
+ALL_QUEUES = f"{Queue.ACQUIRE},{Queue.RELEASE},{Queue.POOL}"  # one worker serves them all
 
 
 @pytest.fixture(scope="module")
@@ -63,26 +65,7 @@ def stack(
     log_path = state / "worker.log"
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "celery",
-                "-A",
-                "workers.app",
-                "worker",
-                "-Q",
-                "acquire,release,pool",
-                "-P",
-                "threads",
-                "-c",
-                "24",
-                "--without-gossip",
-                "--without-mingle",
-                "-n",
-                f"test-{secrets.token_hex(3)}@%h",
-                "--loglevel",
-                "INFO",
-            ],
+            worker_argv(f"test-{secrets.token_hex(3)}", ALL_QUEUES, 24),
             env=env,
             stdout=log,
             stderr=subprocess.STDOUT,

@@ -5,7 +5,6 @@ real PostgreSQL and local bubblewrap sandboxes running the real execd.
 from __future__ import annotations
 
 import json
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -13,6 +12,7 @@ from typing import Any
 import pytest
 from sqlalchemy import select
 
+from bench.common import run_threads
 from broker.backends.local import _proc_start
 from broker.client.sync import SandboxClient
 from broker.errors import AcquireTimeout, InfrastructureError, UnknownJob
@@ -53,20 +53,15 @@ def _wait_state(sessions: Any, sandbox_id: str, state: State, timeout: float = 2
 
 def _concurrently(fn: Any, n: int) -> list[BaseException]:
     """Run ``fn`` in ``n`` threads at once; return what any of them raised."""
-    errors: list[BaseException] = []
 
-    def guarded() -> None:
+    def guarded() -> BaseException | None:
         try:
             fn()
         except BaseException as exc:
-            errors.append(exc)
+            return exc
+        return None
 
-    threads = [threading.Thread(target=guarded) for _ in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return errors
+    return [exc for exc in run_threads(n, 1, guarded) if exc is not None]
 
 
 def _pids(settings: Settings, pod_name: str) -> list[int]:

@@ -10,11 +10,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from broker.backends.base import PodSpec
 from broker.backends.local import LocalBackend, _children, _proc_start
 from broker.errors import GuardMissing, KubeConflict
 from broker.settings import Settings
 from broker.wire.execd import execd_answers
+from tests.support.factories import pod_spec
 from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.integration
@@ -27,22 +27,6 @@ def backend(tmp_path: Path) -> LocalBackend:
     return LocalBackend(Settings(state_dir=tmp_path / "state"))
 
 
-def _spec(name: str, nonce: str = "n-1", token: str = "t" * 32) -> PodSpec:
-    return PodSpec(
-        name=name,
-        namespace="ns",
-        installation="inst-test",
-        job="j",
-        sandbox_id=name,
-        nonce=nonce,
-        role="rollout",
-        image="python:3.12",
-        cpu_m=500,
-        memory_b=256 << 20,
-        token=token,
-    )
-
-
 def _ready(backend: LocalBackend, name: str) -> str:
     for info in backend.watch_ready("ns", {name}, 20):
         assert info.ready, info
@@ -52,7 +36,7 @@ def _ready(backend: LocalBackend, name: str) -> str:
 
 
 def test_create_exec_files_delete(backend: LocalBackend) -> None:
-    spec = _spec("sm-life")
+    spec = pod_spec("sm-life")
     backend.create(spec)
     address = _ready(backend, "sm-life")
     assert execd_answers(address, spec.token)
@@ -84,7 +68,7 @@ def test_create_exec_files_delete(backend: LocalBackend) -> None:
 
 
 def test_pods_are_found_again_after_a_restart(backend: LocalBackend, tmp_path: Path) -> None:
-    spec = _spec("sm-restart", nonce="n-2")
+    spec = pod_spec("sm-restart", nonce="n-2")
     backend.create(spec)
     _ready(backend, "sm-restart")
     with pytest.raises(KubeConflict):
@@ -129,7 +113,7 @@ def test_creator_reaps_sandboxes_deleted_by_another_process(backend: LocalBacken
     by killing the sandbox's process group directly."""
     import signal
 
-    first = backend.create(_spec("sm-reap-1"))
+    first = backend.create(pod_spec("sm-reap-1"))
     _ready(backend, "sm-reap-1")
     meta = backend._load("sm-reap-1")
     assert meta is not None and meta["pid"] in _children
@@ -140,7 +124,7 @@ def test_creator_reaps_sandboxes_deleted_by_another_process(backend: LocalBacken
         0.05,
         "the killed sandbox to become our zombie",
     )
-    backend.create(_spec("sm-reap-2", nonce="n-2"))  # any later create sweeps
+    backend.create(pod_spec("sm-reap-2", nonce="n-2"))  # any later create sweeps
     assert int(meta["pid"]) not in _children
     assert int(meta["pid"]) not in _zombies_of(os.getpid())
     assert first.name == "sm-reap-1"
@@ -157,7 +141,7 @@ def test_ports_come_from_a_claimed_range_outside_the_ephemeral_one(
     assert PORT_RANGE[1] <= low or PORT_RANGE[0] > high  # no outgoing connection can take one
     names = ["sm-port-1", "sm-port-2"]
     for i, name in enumerate(names):
-        backend.create(_spec(name, nonce=f"n-{i}"))
+        backend.create(pod_spec(name, nonce=f"n-{i}"))
     ports = [int(backend._load(n)["port"]) for n in names]  # type: ignore[index]
     assert len(set(ports)) == 2 and all(PORT_RANGE[0] <= p < PORT_RANGE[1] for p in ports)
     locks = backend.root / ".ports"

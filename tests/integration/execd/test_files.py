@@ -139,21 +139,27 @@ def test_edit_crlf_bom_and_missing_final_newline(client, tmp_path):
     assert path.read_bytes() == b"\xef\xbb\xbfuno\r\ndos\r\nextra\r\nthree"
 
 
-def test_edit_mixed_line_endings_refused_clearly(client, tmp_path):
+@pytest.mark.parametrize(
+    ("content", "old", "status", "code", "hint"),
+    [
+        (b"a\r\nb\nc\r\n", "a\nb", 409, "mixed_line_endings", "CRLF"),
+        (b"caf\xe9\n", "caf", 422, "not_utf8", "shell"),  # the shell can edit any bytes
+    ],
+    ids=["mixed_line_endings", "non_utf8"],
+)
+def test_edit_refused_clearly_with_a_hint(client, tmp_path, content, old, status, code, hint):
+    path = tmp_path / "refused.txt"
+    path.write_bytes(content)
+    doc = edit(client, path, old, "x", status=status)
+    assert doc["error"]["code"] == code and hint in doc["error"]["message"]
+    assert path.read_bytes() == content
+
+
+def test_edit_mixed_line_endings_work_when_given_exactly(client, tmp_path):
     path = tmp_path / "mixed.txt"
     path.write_bytes(b"a\r\nb\nc\r\n")
-    doc = edit(client, path, "a\nb", "x", status=409)
-    assert doc["error"]["code"] == "mixed_line_endings" and "CRLF" in doc["error"]["message"]
-    edit(client, path, "a\r\nb\n", "x\n")  # exact endings work
+    edit(client, path, "a\r\nb\n", "x\n")
     assert path.read_bytes() == b"x\nc\r\n"
-
-
-def test_edit_non_utf8_refused_with_shell_hint(client, tmp_path):
-    path = tmp_path / "latin1.txt"
-    path.write_bytes(b"caf\xe9\n")
-    doc = edit(client, path, "caf", "bar", status=422)
-    assert doc["error"]["code"] == "not_utf8" and "shell" in doc["error"]["message"]
-    assert path.read_bytes() == b"caf\xe9\n"
 
 
 def test_edit_refusals(client, tmp_path):

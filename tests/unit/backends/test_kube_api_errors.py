@@ -22,15 +22,8 @@ from typing import Any
 
 import pytest
 
+from broker import errors
 from broker.backends.kube.api import READ_ATTEMPTS, Kube, load_api_client
-from broker.errors import (
-    KubeConflict,
-    KubeError,
-    KubeInvalid,
-    KubeNotFound,
-    KubeThrottled,
-    KubeUnavailable,
-)
 
 pytestmark = pytest.mark.unit
 
@@ -147,14 +140,14 @@ POD = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p"}}
 
 # status -> (error class, replayed on a read)
 CASES = {
-    400: (KubeInvalid, False),
-    403: (KubeError, False),
-    409: (KubeConflict, False),
-    422: (KubeInvalid, False),
-    429: (KubeThrottled, True),
-    500: (KubeUnavailable, True),
-    503: (KubeUnavailable, True),
-    DROP: (KubeUnavailable, True),
+    400: (errors.KubeInvalid, False),
+    403: (errors.KubeError, False),
+    409: (errors.KubeConflict, False),
+    422: (errors.KubeInvalid, False),
+    429: (errors.KubeThrottled, True),
+    500: (errors.KubeUnavailable, True),
+    503: (errors.KubeUnavailable, True),
+    DROP: (errors.KubeUnavailable, True),
 }
 
 
@@ -164,7 +157,7 @@ def test_a_read_maps_the_status_and_is_replayed_only_when_the_outcome_is_unknown
 ) -> None:
     server.answer.status = status
     error, replayed = CASES[status]
-    with pytest.raises(KubeError) as caught:
+    with pytest.raises(errors.KubeError) as caught:
         kube.get_configmap("ns", "p")
     assert type(caught.value) is error
     assert server.answer.requests == ["GET"] * (READ_ATTEMPTS if replayed else 1)
@@ -178,7 +171,7 @@ def test_a_write_maps_the_status_and_is_never_replayed(
     kube: Kube, server: _Server, status: int
 ) -> None:
     server.answer.status = status
-    with pytest.raises(KubeError) as caught:
+    with pytest.raises(errors.KubeError) as caught:
         kube.create_pod("ns", POD)
     assert type(caught.value) is CASES[status][0]
     assert server.answer.requests == ["POST"]
@@ -192,7 +185,7 @@ def test_not_found_on_a_read_is_an_answer_not_an_error(kube: Kube, server: _Serv
 
 def test_not_found_on_a_write_is_kube_not_found(kube: Kube, server: _Server) -> None:
     server.answer.status = 404
-    with pytest.raises(KubeNotFound, match="create configmap: HTTP 404"):
+    with pytest.raises(errors.KubeNotFound, match="create configmap: HTTP 404"):
         kube.create_configmap("missing-ns", {"metadata": {"name": "c"}})
 
 
@@ -200,11 +193,11 @@ def test_invalid_carries_the_servers_message_and_throttled_its_retry_after(
     kube: Kube, server: _Server
 ) -> None:
     server.answer.status = 422
-    with pytest.raises(KubeInvalid, match="the test server says 422"):
+    with pytest.raises(errors.KubeInvalid, match="the test server says 422"):
         kube.create_pod("ns", POD)
     server.answer.status = 429
     server.answer.headers = {"Retry-After": "0.05"}
-    with pytest.raises(KubeThrottled) as caught:
+    with pytest.raises(errors.KubeThrottled) as caught:
         kube.create_pod("ns", POD)
     assert caught.value.retry_after == pytest.approx(0.05)
 
@@ -215,7 +208,7 @@ def test_nobody_listening_is_unavailable(tmp_path: Path) -> None:
         port = sock.getsockname()[1]
     api = load_api_client(str(_kubeconfig(tmp_path / "kubeconfig", f"http://127.0.0.1:{port}")))
     try:
-        with pytest.raises(KubeUnavailable, match="create pod"):
+        with pytest.raises(errors.KubeUnavailable, match="create pod"):
             Kube(api).create_pod("ns", POD)
     finally:
         api.close()

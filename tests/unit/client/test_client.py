@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from broker.client import AsyncSandboxClient, SandboxClient
+from broker.client import AsyncSandboxClient, SandboxClient, core
 from broker.errors import (
     AcquireTimeout,
     InfrastructureError,
@@ -20,27 +20,14 @@ from broker.errors import (
 )
 from broker.settings import Settings
 from broker.wire.errors import raise_payload_error
-from broker.wire.request import request_body
 
 pytestmark = pytest.mark.unit
 
 
 def _body(**overrides: object) -> dict[str, object]:
-    args: dict[str, object] = dict(
-        image="python:3.12",
-        cpu="500m",
-        memory="512Mi",
-        job="j",
-        role="rollout",
-        image_digest=None,
-        base_commit=None,
-        workdir="/",
-        env=None,
-        owner="me",
-        timeout=30.0,
-    )
-    args.update(overrides)
-    return request_body(**args)  # type: ignore[arg-type]
+    """A request as the client builds it (the defaults of ``core.ACQUIRE_DEFAULTS``)."""
+    args = {"image": "python:3.12", "job": "j", "cpu": "500m", "memory": "512Mi", "timeout": 30.0}
+    return core.new_request("me", **{**args, **overrides})
 
 
 # What a trainer process must never load: the client knows only the wire.

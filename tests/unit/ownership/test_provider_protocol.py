@@ -155,15 +155,20 @@ def test_abandoned_request_is_refused_unless_already_admitted(provider, sessions
         assert store.by_request(s, "r-abandoned") is None
 
 
+def assert_given_up_create_deletes(p, backend, sessions, give_up: threading.Event) -> None:
+    """The create the caller gave up on times out and leaves no pod, and its row deleted."""
+    sid, token = p.intent(spec())
+    with pytest.raises(AcquireTimeout):
+        p.create(sid, token, give_up=give_up)
+    assert not backend.pods
+    assert row_of(sessions, sid).state == State.DELETED
+
+
 def test_caller_giving_up_mid_create_still_gets_the_pod_deleted(provider, backend, sessions):
     backend.become_ready = False
     give_up = threading.Event()
     give_up.set()
-    sid, token = provider.intent(spec())
-    with pytest.raises(AcquireTimeout):
-        provider.create(sid, token, give_up=give_up)
-    assert not backend.pods
-    assert row_of(sessions, sid).state == State.DELETED
+    assert_given_up_create_deletes(provider, backend, sessions, give_up)
 
 
 def test_caller_giving_up_as_the_pod_turns_ready_still_gets_it_deleted(sessions, backend, tmp_path):
@@ -180,11 +185,7 @@ def test_caller_giving_up_as_the_pod_turns_ready_still_gets_it_deleted(sessions,
     )
     with sessions.begin() as s:
         store.ensure_job(s, "job-a", readiness_budget_s=5.0, lease_s=60.0)
-    sid, token = p.intent(spec())
-    with pytest.raises(AcquireTimeout):
-        p.create(sid, token, give_up=give_up)
-    assert not backend.pods
-    assert row_of(sessions, sid).state == State.DELETED
+    assert_given_up_create_deletes(p, backend, sessions, give_up)
 
 
 def test_release_during_create_is_honoured_by_the_creator(provider, backend, sessions):
