@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from flask import Blueprint, abort, render_template, request, url_for
@@ -31,14 +31,22 @@ def parse_time(raw: str | None) -> dt.datetime | None:
     return value if value.tzinfo else value.replace(tzinfo=dt.UTC)
 
 
+# The exact-match filters: query parameter -> (event column, longest value it can hold).
+MATCHES: dict[str, tuple[Any, int]] = {
+    "sandbox": (Event.sandbox_id, 32),
+    "pod": (Event.pod_name, 253),
+    "nonce": (Event.nonce, 64),
+    "job": (Event.job, 63),
+    "actor": (Event.actor, 128),
+}
+
+
 @dataclass
 class Search:
-    sandbox: str = ""
-    pod: str = ""
-    nonce: str = ""
-    job: str = ""
+    """One audit search; ``match`` holds every exact-match filter ("" for none)."""
+
+    match: dict[str, str] = field(default_factory=lambda: dict.fromkeys(MATCHES, ""))
     kind: str = ""
-    actor: str = ""
     since: dt.datetime | None = None
     until: dt.datetime | None = None
     before: int | None = None
@@ -47,12 +55,8 @@ class Search:
     @classmethod
     def from_args(cls, args: Any) -> Search:
         return cls(
-            sandbox=params.text(args, "sandbox", 32),
-            pod=params.text(args, "pod", 253),
-            nonce=params.text(args, "nonce", 64),
-            job=params.text(args, "job", 63),
+            match={name: params.text(args, name, n) for name, (_, n) in MATCHES.items()},
             kind=params.choice(args, "kind", ("", *KINDS), ""),
-            actor=params.text(args, "actor", 128),
             since=parse_time(params.timestamp(args, "since")),
             until=parse_time(params.timestamp(args, "until")),
             before=params.integer(args, "before", 1, params.MAX_BIGINT),
@@ -61,16 +65,11 @@ class Search:
 
     def statement(self) -> Select[Event]:
         stmt = select(Event)
-        for col, value in (
-            (Event.sandbox_id, self.sandbox),
-            (Event.pod_name, self.pod),
-            (Event.nonce, self.nonce),
-            (Event.job, self.job),
-            (Event.kind, self.kind),
-            (Event.actor, self.actor),
-        ):
-            if value:
-                stmt = stmt.where(col == value)
+        for name, (col, _) in MATCHES.items():
+            if self.match[name]:
+                stmt = stmt.where(col == self.match[name])
+        if self.kind:
+            stmt = stmt.where(Event.kind == self.kind)
         if self.since:
             stmt = stmt.where(Event.at >= self.since)
         if self.until:

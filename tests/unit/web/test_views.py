@@ -136,6 +136,7 @@ def test_audit_search_by_sandbox_nonce_job_kind_and_time(admin, provider, job, s
     assert future == []
     page = admin.get(f"/audit?sandbox={other}").get_data(as_text=True)
     assert other[:12] in page and sid[:12] not in page
+    assert f'name="sandbox" value="{other}"' in page  # the form keeps the filter
     assert admin.get("/audit?since=yesterday").status_code == 400
 
 
