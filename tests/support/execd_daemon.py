@@ -1,5 +1,7 @@
 """Fixtures that run execd as a real subprocess on 127.0.0.1 and talk HTTP to it."""
 
+from __future__ import annotations
+
 import base64
 import functools
 import http.client
@@ -11,7 +13,9 @@ import shutil
 import signal
 import subprocess
 import sys
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -88,14 +92,14 @@ class Daemon:
     def __init__(
         self,
         tmp: Path,
-        args=(),
-        env=None,
-        cwd=REPO,
-        python=None,
-        popen_kw=None,
-        token=None,
-        workdir=None,
-        wrapper=(),
+        args: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+        cwd: Path = REPO,
+        python: str | None = None,
+        popen_kw: Mapping[str, Any] | None = None,
+        token: str | None = None,
+        workdir: Path | None = None,
+        wrapper: Sequence[str] = (),
     ) -> None:
         self.token = token or secrets.token_hex(16)
         self.workdir = workdir or tmp / "work"
