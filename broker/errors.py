@@ -119,10 +119,14 @@ class AtCapacity(InfrastructureError, TemporaryError):
 
 
 class SandboxLost(InfrastructureError, PermanentError):
+    """The pod or its execd went away mid-rollout: the sample is lost, not failed."""
+
     code = "sandbox_lost"
 
 
 class CreateFailed(InfrastructureError, PermanentError):
+    """The provider could not make a ready sandbox (the row says why in ``last_error``)."""
+
     code = "create_failed"
 
 
@@ -176,18 +180,26 @@ class NamespaceUnavailable(KubeError, PermanentError):
 
 
 class GuardMissing(InfrastructureError, PermanentError):
+    """An egress-denied job would get a pod without its NetworkPolicy: refused, not risked."""
+
     code = "guard_missing"
 
 
 class IllegalTransition(PermanentError, RuntimeError):
+    """A ledger state jump the state machine forbids (a bug, or a race lost to another writer)."""
+
     code = "illegal_transition"
 
 
 class OwnershipError(PermanentError, RuntimeError):
+    """A pod not provably ours was about to be touched: never delete on a guess."""
+
     code = "ownership_error"
 
 
 class ExecError(PermanentError):
+    """execd refused a call (bad input); ``status`` and ``error_code`` are its answer."""
+
     code = "exec_error"
     status: int | None = None
     error_code: str = ""
