@@ -54,6 +54,16 @@ class SandmanError(Exception):
 
     code = "sandman_error"
 
+    def __init__(self, *args: object, **details: object) -> None:
+        """The one constructor of the tree: ``details`` set the attributes a class declares
+        with a default (``field``, ``status``, ``retry_after``...), so no class needs an
+        ``__init__`` of its own to carry them, and a keyword no class declares is a bug."""
+        super().__init__(*args)
+        for name, value in details.items():
+            if not hasattr(type(self), name):
+                raise TypeError(f"{type(self).__name__} has no detail {name!r}")
+            setattr(self, name, value)
+
     @property
     def retryable(self) -> bool:
         """True when the same call, retried later, can succeed."""
@@ -66,9 +76,7 @@ class TemporaryError(SandmanError):
     ``retry_after`` is how long the refusing side asked us to wait (seconds), when it
     said: it belongs to "retry later", so every temporary error can carry it."""
 
-    def __init__(self, *args: object, retry_after: float | None = None) -> None:
-        super().__init__(*args)
-        self.retry_after = retry_after
+    retry_after: float | None = None
 
 
 class PermanentError(SandmanError):
@@ -83,10 +91,7 @@ class InvalidRequest(PermanentError, ValueError):
     """Malformed input; ``field`` names the offending request field when there is one."""
 
     code = "invalid_request"
-
-    def __init__(self, message: str, *, field: str | None = None) -> None:
-        super().__init__(message)
-        self.field = field
+    field: str | None = None
 
 
 class UnknownJob(InvalidRequest, LookupError):
@@ -114,10 +119,14 @@ class AtCapacity(InfrastructureError, TemporaryError):
 
 
 class SandboxLost(InfrastructureError, PermanentError):
+    """The pod or its execd went away mid-rollout: the sample is lost, not failed."""
+
     code = "sandbox_lost"
 
 
 class CreateFailed(InfrastructureError, PermanentError):
+    """The provider could not make a ready sandbox (the row says why in ``last_error``)."""
+
     code = "create_failed"
 
 
@@ -128,18 +137,13 @@ class ForeignPod(CreateFailed):
     it as CreateFailed; the provider marks the row failed and never touches the pod.
     """
 
-    def __init__(self, message: str, *, pod_name: str = "", nonce: str | None = None) -> None:
-        super().__init__(message)
-        self.pod_name = pod_name
-        self.nonce = nonce
+    pod_name: str = ""
+    nonce: str | None = None
 
 
 class KubeError(InfrastructureError):
     code = "kube_error"
-
-    def __init__(self, message: str, *, status: int | None = None) -> None:
-        super().__init__(message)
-        self.status = status
+    status: int | None = None
 
 
 class KubeNotFound(KubeError, PermanentError, LookupError):
@@ -156,12 +160,7 @@ class KubeInvalid(KubeError, PermanentError, ValueError):
 
 class KubeThrottled(KubeError, TemporaryError):
     code = "kube_throttled"
-
-    def __init__(
-        self, message: str, *, status: int | None = 429, retry_after: float | None = None
-    ) -> None:
-        super().__init__(message, status=status)
-        self.retry_after = retry_after  # KubeError's __init__ does not pass it on
+    status: int | None = 429
 
 
 class KubeUnavailable(KubeError, TemporaryError, ConnectionError):
@@ -176,34 +175,34 @@ class NamespaceUnavailable(KubeError, PermanentError):
     so the message says what to do; ``missing`` names the refused permission, if any."""
 
     code = "namespace_unavailable"
-
-    def __init__(
-        self, message: str, *, namespace: str, missing: str = "", status: int | None = None
-    ) -> None:
-        super().__init__(message, status=status)
-        self.namespace = namespace
-        self.missing = missing
+    namespace: str = ""
+    missing: str = ""
 
 
 class GuardMissing(InfrastructureError, PermanentError):
+    """An egress-denied job would get a pod without its NetworkPolicy: refused, not risked."""
+
     code = "guard_missing"
 
 
 class IllegalTransition(PermanentError, RuntimeError):
+    """A ledger state jump the state machine forbids (a bug, or a race lost to another writer)."""
+
     code = "illegal_transition"
 
 
 class OwnershipError(PermanentError, RuntimeError):
+    """A pod not provably ours was about to be touched: never delete on a guess."""
+
     code = "ownership_error"
 
 
 class ExecError(PermanentError):
-    code = "exec_error"
+    """execd refused a call (bad input); ``status`` and ``error_code`` are its answer."""
 
-    def __init__(self, message: str, *, status: int | None = None, error_code: str = "") -> None:
-        super().__init__(message)
-        self.status = status
-        self.error_code = error_code
+    code = "exec_error"
+    status: int | None = None
+    error_code: str = ""
 
 
 class ExecAuthError(ExecError, PermissionError):

@@ -11,6 +11,7 @@ import datetime as dt
 import json
 import math
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -50,94 +51,78 @@ def _row(label: str, result: dict[str, Any]) -> str:
     )
 
 
+Command = Callable[..., Any]
+Decorator = Callable[[Command], Command]
+
+
+def _shown(decl: str, dest: str, default: Any, help: str | None = None, **kw: Any) -> Decorator:
+    """A policy option that shows its default; ``dest`` is the ``Policy`` field it sets."""
+    return click.option(decl, dest, default=default, show_default=True, help=help, **kw)
+
+
+# One option per ``Policy`` field, each stored under the field's own name, so ``replay``
+# builds the policy in one step instead of copying its options across one by one.
+_POLICY_OPTIONS: tuple[Decorator, ...] = (
+    _shown("--warm-default", "warm_default", 0, "Pool size for every image not named by --warm."),
+    _shown("--idle-timeout", "idle_timeout_s", 300.0),
+    _shown(
+        "--refill",
+        "refill",
+        "always",
+        "always: upkeep keeps pools full (the broker today); "
+        "demand: refill only after a request for that image.",
+        type=click.Choice(["always", "demand"]),
+    ),
+    _shown("--reuse/--no-reuse", "reuse", False),
+    _shown("--max-reuses", "max_reuses", 8),
+    click.option("--max-live", "max_live", type=int, default=None, help="Cap on all live pods."),
+    click.option("--max-warm", "max_warm", type=int, default=None, help="Global warm-pod budget."),
+    _shown(
+        "--create-s", "create_s", 5.0, "Create-to-ready of one pod (measure it: bench/scale.py)."
+    ),
+    _shown("--hit-s", "hit_s", 0.05),
+    click.option("--create-rate", type=float, default=None, help="Pacer rate, creates/s."),
+    _shown("--create-burst", "create_burst", 1),
+    click.option(
+        "--no-prefill", "prefill", flag_value=False, default=True, help="Pools start empty."
+    ),
+)
+
+
+def _sweep(decl: str, metavar: str, help: str) -> Decorator:
+    return click.option(decl, default=None, metavar=metavar, help=help)
+
+
+def _policy_options(command: Command) -> Command:
+    """Apply ``_POLICY_OPTIONS`` in the order they are listed (click reads bottom-up)."""
+    for option in reversed(_POLICY_OPTIONS):
+        command = option(command)
+    return command
+
+
 def register(group: click.Group) -> None:
     @group.command("replay")
     @click.argument("trace", type=click.Path(exists=True, dir_okay=False, path_type=Path))
     @click.option("--warm", "warm", multiple=True, metavar="IMAGE=SIZE", help="Pool per image.")
-    @click.option(
-        "--warm-default",
-        type=int,
-        default=0,
-        show_default=True,
-        help="Pool size for every image not named by --warm.",
-    )
-    @click.option("--idle-timeout", type=float, default=300.0, show_default=True)
-    @click.option(
-        "--refill",
-        type=click.Choice(["always", "demand"]),
-        default="always",
-        show_default=True,
-        help="always: upkeep keeps pools full (the broker today); "
-        "demand: refill only after a request for that image.",
-    )
-    @click.option("--reuse/--no-reuse", default=False, show_default=True)
-    @click.option("--max-reuses", type=int, default=8, show_default=True)
-    @click.option("--max-live", type=int, default=None, help="Cap on all live pods.")
-    @click.option("--max-warm", type=int, default=None, help="Global warm-pod budget.")
-    @click.option(
-        "--create-s",
-        type=float,
-        default=5.0,
-        show_default=True,
-        help="Create-to-ready of one pod (measure it: bench/scale.py).",
-    )
-    @click.option("--hit-s", type=float, default=0.05, show_default=True)
-    @click.option("--create-rate", type=float, default=None, help="Pacer rate, creates/s.")
-    @click.option("--create-burst", type=int, default=1, show_default=True)
-    @click.option("--no-prefill", is_flag=True, help="Pools start empty.")
-    @click.option(
-        "--sweep-idle",
-        default=None,
-        metavar="S,S,...",
-        help="Also evaluate these idle timeouts (a table).",
-    )
-    @click.option(
-        "--sweep-size",
-        default=None,
-        metavar="N,N,...",
-        help="Also evaluate these --warm-default sizes (a table).",
-    )
+    @_policy_options
+    @_sweep("--sweep-idle", "S,S,...", "Also evaluate these idle timeouts (a table).")
+    @_sweep("--sweep-size", "N,N,...", "Also evaluate these --warm-default sizes (a table).")
     @click.option("--json", "as_json", is_flag=True, help="Print JSON only.")
     def replay(
         trace: Path,
         *,
         warm: tuple[str, ...],
-        warm_default: int,
-        idle_timeout: float,
-        refill: str,
-        reuse: bool,
-        max_reuses: int,
-        max_live: int | None,
-        max_warm: int | None,
-        create_s: float,
-        hit_s: float,
-        create_rate: float | None,
-        create_burst: int,
-        no_prefill: bool,
         sweep_idle: str | None,
         sweep_size: str | None,
         as_json: bool,
+        **policy: Any,
     ) -> None:
         """Predict warm-hit rate, acquisition wait, creates and idle pod-hours of a pool
         policy from TRACE (JSONL: time, job, image, role, duration), in virtual time."""
         from broker.replay import Policy, read_trace, simulate
 
         events = read_trace(trace)
-        base = Policy(
-            warm=_warm_map(warm),
-            warm_default=warm_default,
-            idle_timeout_s=idle_timeout,
-            refill=refill,  # type: ignore[arg-type]
-            reuse=reuse,
-            max_reuses=max_reuses,
-            max_live=max_live,
-            max_warm=max_warm,
-            create_s=create_s,
-            hit_s=hit_s,
-            create_rate=create_rate,
-            create_burst=create_burst,
-            prefill=not no_prefill,
-        )
+        base = Policy(warm=_warm_map(warm), **policy)
         runs: list[tuple[str, Policy]] = [("policy", base)]
         runs.append(
             ("on-demand only", dataclasses.replace(base, warm={}, warm_default=0, reuse=False))

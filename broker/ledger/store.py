@@ -19,7 +19,8 @@ from sqlalchemy.orm import Session
 
 from broker.errors import IllegalTransition, InvalidRequest, UnknownJob
 from broker.ledger.models import Event, Job, Leak, Sandbox, new_id, utcnow
-from broker.ledger.states import CAPPED_STATES, Role, State, can_transition
+from broker.ledger.states import CAPPED_STATES, State, can_transition
+from broker.wire.request import AcquireRequest
 
 _STAMP = {
     State.CREATING: "creating_at",
@@ -71,58 +72,58 @@ def new_nonce() -> str:
     return secrets.token_hex(16)
 
 
+# The columns an intent copies from the request as they are: named once, so the row and
+# the request cannot drift apart field by field.
+_FROM_REQUEST = (
+    "owner",
+    "job",
+    "request_id",
+    "image",
+    "image_digest",
+    "base_commit",
+    "cpu_m",
+    "memory_b",
+    "role",
+    "pool_key",
+)
+
+
 def new_intent(
     session: Session,
+    spec: AcquireRequest,
     *,
-    sandbox_id: str | None = None,
-    nonce: str | None = None,
-    owner: str | None = None,
-    lease_expires_at: dt.datetime | None = None,
-    job: str,
     installation: str,
     namespace: str,
-    image: str,
-    cpu_m: int,
-    memory_b: int,
-    role: Role = Role.ROLLOUT,
-    request_id: str | None = None,
     backend: str = "kubernetes",
-    image_digest: str | None = None,
-    base_commit: str | None = None,
-    pool_key: str | None = None,
+    sandbox_id: str | None = None,
+    nonce: str | None = None,
     token_hash: str | None = None,
+    lease_expires_at: dt.datetime | None = None,
     egress_denied: bool = False,
-    enqueued_at: dt.datetime | None = None,
     actor: str = "broker",
 ) -> Sandbox:
-    """Add the intent row (state ``requested``) with a fresh nonce; the caller commits.
+    """Add the intent row (state ``requested``) for ``spec`` with a fresh nonce; the
+    caller commits.
 
-    Every field is set before the one INSERT (id and nonce may be chosen by the caller,
-    who derives the token from them), so an intent costs no follow-up UPDATE."""
+    The request's own fields are copied as they are; the keywords are what only the
+    caller knows (where the pod goes, its token, its creating lease). Every field is set
+    before the one INSERT (id and nonce may be chosen by the caller, who derives the
+    token from them), so an intent costs no follow-up UPDATE."""
     sandbox_id = sandbox_id or new_id()
     row = Sandbox(
+        **{name: getattr(spec, name) for name in _FROM_REQUEST},
         id=sandbox_id,
-        owner=owner,
-        lease_expires_at=lease_expires_at,
-        job=job,
-        installation=installation,
-        request_id=request_id,
         nonce=nonce or new_nonce(),
         pod_name=pod_name_for(sandbox_id),
+        installation=installation,
         namespace=namespace,
         backend=backend,
-        image=image,
-        image_digest=image_digest,
-        base_commit=base_commit,
-        cpu_m=cpu_m,
-        memory_b=memory_b,
-        role=role,
-        state=State.REQUESTED,
-        pool_key=pool_key,
         token_hash=token_hash,
+        lease_expires_at=lease_expires_at,
         egress_denied=egress_denied,
+        state=State.REQUESTED,
         requested_at=utcnow(),
-        enqueued_at=enqueued_at,
+        enqueued_at=spec.enqueued_utc,
         reuse_count=0,
         create_attempts=0,
         delete_attempts=0,
@@ -136,7 +137,7 @@ def new_intent(
         action="intent",
         to_state=State.REQUESTED,
         actor=actor,
-        detail={"request_id": request_id, "image": image},
+        detail={"request_id": spec.request_id, "image": spec.image},
     )
     return row
 

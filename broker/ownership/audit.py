@@ -8,7 +8,7 @@ CI job gates on.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from sqlalchemy import func, select
 
@@ -32,12 +32,11 @@ class AuditReport:
         return not self.gc.unowned_pods and not self.gc.dangling_rows
 
     def to_dict(self) -> dict[str, object]:
+        """The report as JSON: its own counts (every field but ``gc``) and the GC's findings."""
+        counts = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "gc"}
         return {
             "ok": self.ok,
-            "pods_by_job": self.pods_by_job,
-            "live_rows_by_job": self.live_rows_by_job,
-            "leaks_total": self.leaks_total,
-            "leaks_open": self.leaks_open,
+            **counts,
             "unowned_pods": self.gc.unowned_pods,
             "foreign_pods": self.gc.foreign_pods,
             "dangling_rows": self.gc.dangling_rows,

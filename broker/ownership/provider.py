@@ -117,26 +117,16 @@ class Provider:
             margin = self.settings.create_lease_margin_s
             row = store.new_intent(
                 session,
+                spec,
+                installation=self.settings.installation_id,
+                namespace=self.settings.namespace,
+                backend=self.backend.name,
                 sandbox_id=sandbox_id,
                 nonce=nonce,
-                owner=spec.owner,
                 token_hash=store.hash_token(token),
                 # The creating lease bounds how long a dead worker can hold the row.
                 lease_expires_at=utcnow() + dt.timedelta(seconds=job.readiness_budget_s + margin),
-                job=job.name,
-                installation=self.settings.installation_id,
-                namespace=self.settings.namespace,
-                image=spec.image,
-                cpu_m=spec.cpu_m,
-                memory_b=spec.memory_b,
-                role=spec.role,
-                request_id=spec.request_id,
-                backend=self.backend.name,
-                image_digest=spec.image_digest,
-                base_commit=spec.base_commit,
-                pool_key=spec.pool_key,
                 egress_denied=job.egress != "allow",
-                enqueued_at=spec.enqueued_utc,
                 actor=self.actor,
             )
             result = row.id, token

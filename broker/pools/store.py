@@ -12,11 +12,13 @@ sandboxes idle past the pool's ``idle_timeout_s`` (default 300 s, the paper's se
 from __future__ import annotations
 
 import json
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from broker import names
 from broker.errors import InvalidRequest
+from broker.wire.request import AcquireRequest
 from broker.wire.types import Lease
 from broker.wire.validation import parse_cpu, parse_memory, validate_image
 from broker.wire.warm import CLAIM_LUA, claim_call, claimed_lease, pool_key, pool_keys
@@ -24,6 +26,8 @@ from broker.wire.warm import CLAIM_LUA, claim_call, claimed_lease, pool_key, poo
 __all__ = ["PREFIX", "PoolConfig", "WarmStore", "parse_pools", "pool_key"]
 
 PREFIX = names.WARM_PREFIX
+# The fields a pool member's request copies from its pool's config.
+_MEMBER_FIELDS = ("image", "image_digest", "base_commit", "cpu_m", "memory_b")
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,15 @@ class PoolConfig:
     @property
     def key(self) -> str:
         return pool_key(self.image, self.image_digest, self.base_commit, self.cpu_m, self.memory_b)
+
+    def member_request(self, job: str) -> AcquireRequest:
+        """The request that creates one new member: the pool's image and resources as they
+        are, its key (so the pod joins this pool) and a fresh ``warm-`` request id (each
+        refill is its own create, never deduplicated against another)."""
+        same = {name: getattr(self, name) for name in _MEMBER_FIELDS}
+        return AcquireRequest(
+            job=job, pool_key=self.key, request_id=f"warm-{uuid.uuid4().hex}", **same
+        )
 
     @classmethod
     def parse(cls, raw: dict[str, Any], default_idle_s: float = 300.0) -> PoolConfig:

@@ -10,7 +10,6 @@ passes counting the same in-flight rows would overfill the pool.
 from __future__ import annotations
 
 import datetime as dt
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -27,7 +26,6 @@ from broker.names import Task
 from broker.ownership.provider import Provider
 from broker.pools.store import PoolConfig, WarmStore, parse_pools
 from broker.settings import Settings
-from broker.wire.request import AcquireRequest
 from broker.wire.types import Lease
 
 Enqueue = Callable[[str, list[Any], str], None]
@@ -144,16 +142,7 @@ class PoolUpkeep:
 
     def _refill(self, job_name: str, cfg: PoolConfig, missing: int, counts: dict[str, int]) -> None:
         for _ in range(max(0, missing)):
-            request = AcquireRequest(
-                job=job_name,
-                image=cfg.image,
-                cpu_m=cfg.cpu_m,
-                memory_b=cfg.memory_b,
-                image_digest=cfg.image_digest,
-                base_commit=cfg.base_commit,
-                pool_key=cfg.key,
-                request_id=f"warm-{uuid.uuid4().hex}",
-            )
+            request = cfg.member_request(job_name)
             try:
                 sandbox_id, _token = self.provider.intent(request)
             except AtCapacity:  # warm pods count against the job's live cap too

@@ -19,13 +19,13 @@ from __future__ import annotations
 import atexit
 import base64
 import functools
-import json
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
 import httpx
 
 from broker.errors import ExecAuthError, ExecError, SandboxLost, SandmanError
+from broker.wire.validation import json_object
 
 CALL_TIMEOUT_S = 60.0  # file and state calls: bounded by execd's own work, not the agent's
 EXEC_SLACK_S = 15.0  # the HTTP wait of an exec outlives the command's own timeout by this
@@ -108,12 +108,7 @@ def written_size(reply: dict[str, Any]) -> int:
 
 def decode(status: int, content: bytes, call: Call, who: str) -> dict[str, Any]:
     """The one reply decoder: execd's statuses become the typed error tree (module doc)."""
-    try:
-        data = json.loads(content)
-    except ValueError as exc:
-        raise SandboxLost(f"{who} sent a non-JSON answer to {call.path}") from exc
-    if not isinstance(data, dict):
-        raise SandboxLost(f"{who} sent a non-object answer to {call.path}")
+    data = json_object(content, SandboxLost, f"{who} answering {call.path}")
     if status == 200:
         return data
     error = data.get("error") or {}

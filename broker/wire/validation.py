@@ -3,15 +3,18 @@
 Limits are deliberately generous (a 64-core, 512 GiB sandbox is legal) but absurd values
 (zero CPU, a petabyte of memory, an image name with spaces) fail with InvalidRequest,
 whose ``field`` names the offending field. ``broker.wire.request.AcquireRequest`` is the
-one caller for requests; warm-pool configs reuse the parsers.
+one caller for requests; warm-pool configs reuse the parsers. ``json_object`` is the one
+check of a peer's answer (execd, the Kubernetes API server) that must be a JSON object.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping
+from typing import Any
 
-from broker.errors import InvalidRequest
+from broker.errors import InvalidRequest, SandmanError
 
 # A pragmatic form of the OCI reference grammar: [registry/]path[:tag][@digest].
 _IMAGE = re.compile(
@@ -138,3 +141,17 @@ def check_time(name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < 1e11:
         raise InvalidRequest(f"{name} must be epoch seconds, not {value!r}", field=name)
     return float(value)
+
+
+def json_object(content: bytes | str, error: type[SandmanError], where: str) -> dict[str, Any]:
+    """Parse an answer that must be one JSON object, or raise ``error`` naming ``where``.
+
+    The caller picks the error because what a garbled answer means depends on who sent
+    it: a sandbox that went away (execd) or an API server whose outcome is unknown."""
+    try:
+        data = json.loads(content)
+    except ValueError as exc:
+        raise error(f"{where}: response is not JSON") from exc
+    if not isinstance(data, dict):
+        raise error(f"{where}: response is not a JSON object")
+    return data

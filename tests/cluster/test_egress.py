@@ -127,7 +127,7 @@ def test_denied_pod_is_blocked_and_allowed_pod_connects(kube: Kube, namespace: s
     assert result.target.startswith("10.244.0.1:"), report
     # the guard was the broker's own per-job policy, and the probe removed it and its pods
     assert result.policy.startswith("sandman-egress-egress-probe-")
-    assert kube.get_network_policy(namespace, result.policy) is None
+    assert kube.get_object("networkpolicy", namespace, result.policy) is None
     assert _leftovers(kube, namespace) == []
 
 

@@ -12,7 +12,7 @@ import contextlib
 import json
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import urllib3
 from kubernetes import client, config
@@ -26,6 +26,7 @@ from broker.errors import (
     KubeThrottled,
     KubeUnavailable,
 )
+from broker.wire.validation import json_object
 
 T = TypeVar("T")
 REQUEST_TIMEOUT = (5.0, 30.0)  # connect, read
@@ -106,13 +107,7 @@ def call_json(what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> d
             resp.release_conn()
     except (ApiException, *_TRANSPORT) as exc:
         raise translate(exc, what) from exc
-    try:
-        parsed = json.loads(data)
-    except ValueError as exc:
-        raise KubeUnavailable(f"{what}: response is not JSON") from exc
-    if not isinstance(parsed, dict):
-        raise KubeUnavailable(f"{what}: response is not a JSON object")
-    return parsed
+    return json_object(data, KubeUnavailable, what)
 
 
 READ_ATTEMPTS = 3
@@ -155,6 +150,10 @@ def _json_lines(resp: Any) -> Iterator[dict[str, Any]]:
                 yield json.loads(line)
     if pending.strip():
         yield json.loads(pending)
+
+
+# The namespaced side objects ``Kube.get_object``/``create_object`` handle.
+ObjectKind = Literal["configmap", "networkpolicy"]
 
 
 class Kube:
@@ -254,23 +253,24 @@ class Kube:
                 resp.close()
                 resp.release_conn()
 
-    def get_configmap(self, namespace: str, name: str) -> dict[str, Any] | None:
-        read = self.core.read_namespaced_config_map
-        return read_json_or_none("read configmap", read, name, namespace)
+    def _methods(self, kind: ObjectKind) -> tuple[Callable[..., Any], Callable[..., Any]]:
+        """The generated client's (read, create) pair for ``kind``: the broker's side
+        objects (the execd configmap, job owners, egress policies) are all read and
+        created the same way, so one ``get_object``/``create_object`` serves them."""
+        if kind == "configmap":
+            return self.core.read_namespaced_config_map, self.core.create_namespaced_config_map
+        net = self.net
+        return net.read_namespaced_network_policy, net.create_namespaced_network_policy
 
-    def create_configmap(self, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
-        return call_json(
-            "create configmap", self.core.create_namespaced_config_map, namespace, body
-        )
+    def get_object(self, kind: ObjectKind, namespace: str, name: str) -> dict[str, Any] | None:
+        read, _ = self._methods(kind)
+        return read_json_or_none(f"read {kind}", read, name, namespace)
 
-    def get_network_policy(self, namespace: str, name: str) -> dict[str, Any] | None:
-        read = self.net.read_namespaced_network_policy
-        return read_json_or_none("read networkpolicy", read, name, namespace)
-
-    def create_network_policy(self, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
-        return call_json(
-            "create networkpolicy", self.net.create_namespaced_network_policy, namespace, body
-        )
+    def create_object(
+        self, kind: ObjectKind, namespace: str, body: dict[str, Any]
+    ) -> dict[str, Any]:
+        _, create = self._methods(kind)
+        return call_json(f"create {kind}", create, namespace, body)
 
     def ensure_namespace(self, name: str, *, timeout_s: float = 60.0) -> None:
         """Make sure pods can be created in ``name``.

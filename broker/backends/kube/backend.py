@@ -171,10 +171,10 @@ class KubeBackend:
         if "__main__.py" not in files:
             raise KubeError("execd sources not found next to the broker package")
         name = podspec.execd_configmap_name(files)
-        if self.kube.get_configmap(namespace, name) is None:
+        if self.kube.get_object("configmap", namespace, name) is None:
             with contextlib.suppress(KubeConflict):
-                self.kube.create_configmap(
-                    namespace, podspec.execd_configmap(name, files, self.installation)
+                self.kube.create_object(
+                    "configmap", namespace, podspec.execd_configmap(name, files, self.installation)
                 )
         self._execd[namespace] = (name, sorted(files))
         return self._execd[namespace]
@@ -187,14 +187,14 @@ class KubeBackend:
         key = (namespace, job)
         if key in self._owners:
             return self._owners[key]
-        found = self.kube.get_configmap(namespace, podspec.owner_name(job))
+        found = self.kube.get_object("configmap", namespace, podspec.owner_name(job))
         if found is None:
             try:
-                found = self.kube.create_configmap(
-                    namespace, podspec.owner_configmap(job, self.installation)
+                found = self.kube.create_object(
+                    "configmap", namespace, podspec.owner_configmap(job, self.installation)
                 )
             except KubeConflict:
-                found = self.kube.get_configmap(namespace, podspec.owner_name(job))
+                found = self.kube.get_object("configmap", namespace, podspec.owner_name(job))
         if found is None:
             raise KubeError(f"owner object for job {job} vanished while creating it")
         self._owners[key] = str(found["metadata"]["uid"])
@@ -205,10 +205,12 @@ class KubeBackend:
             return
         name = podspec.egress_policy_name(job)
         with self._in_namespace(namespace, "get/create networkpolicies"):
-            if self.kube.get_network_policy(namespace, name) is None:
+            if self.kube.get_object("networkpolicy", namespace, name) is None:
                 with contextlib.suppress(KubeConflict):
-                    self.kube.create_network_policy(
-                        namespace, podspec.egress_policy(job, self.installation, allow)
+                    self.kube.create_object(
+                        "networkpolicy",
+                        namespace,
+                        podspec.egress_policy(job, self.installation, allow),
                     )
 
     def has_egress_guard(self, namespace: str, job: str) -> bool:
@@ -217,7 +219,7 @@ class KubeBackend:
         if self._guard_fresh(namespace, job):
             return True
         name = podspec.egress_policy_name(job)
-        present = self.kube.get_network_policy(namespace, name) is not None
+        present = self.kube.get_object("networkpolicy", namespace, name) is not None
         if present:
             self._guards[(namespace, job)] = time.monotonic() + GUARD_TTL_S
         return present

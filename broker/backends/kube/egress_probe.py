@@ -392,7 +392,7 @@ def probe_egress(
     deadline_s = max(10, int(timeout_s))
     try:
         with _cleanup(kube, namespace) as track:
-            kube.create_network_policy(namespace, policy)
+            kube.create_object("networkpolicy", namespace, policy)
             track("policy", policy_name)
             for denied, spec in specs.items():
                 args = {

@@ -13,6 +13,7 @@ from broker.ledger import store
 from broker.ledger.states import Role
 from broker.replay import Policy, read_trace, simulate
 from broker.replay.trace import export_ledger
+from broker.wire.request import AcquireRequest
 
 pytestmark = pytest.mark.integration
 
@@ -20,11 +21,8 @@ T0 = dt.datetime(2026, 1, 1, 12, 0, 0, tzinfo=dt.UTC)
 
 
 def _row(session, job, image, *, enq, acq, rel, role=Role.ROLLOUT, warm=False):  # type: ignore[no-untyped-def]
-    row = store.new_intent(
-        session,
+    spec = AcquireRequest(
         job=job,
-        installation="test-replay",
-        namespace="ns",
         image=image,
         cpu_m=100,
         memory_b=64 << 20,
@@ -32,6 +30,7 @@ def _row(session, job, image, *, enq, acq, rel, role=Role.ROLLOUT, warm=False): 
         request_id=f"r-{secrets.token_hex(6)}",
         pool_key="pk" if warm else None,
     )
+    row = store.new_intent(session, spec, installation="test-replay", namespace="ns")
     row.requested_at = T0 + dt.timedelta(seconds=enq - (30 if warm else 0))
     row.enqueued_at = T0 + dt.timedelta(seconds=enq) if enq is not None else None
     row.acquired_at = T0 + dt.timedelta(seconds=acq) if acq is not None else None

@@ -158,7 +158,7 @@ def test_a_read_maps_the_status_and_is_replayed_only_when_the_outcome_is_unknown
     server.answer.status = status
     error, replayed = CASES[status]
     with pytest.raises(errors.KubeError) as caught:
-        kube.get_configmap("ns", "p")
+        kube.get_object("configmap", "ns", "p")
     assert type(caught.value) is error
     assert server.answer.requests == ["GET"] * (READ_ATTEMPTS if replayed else 1)
     if status:
@@ -186,7 +186,7 @@ def test_not_found_on_a_read_is_an_answer_not_an_error(kube: Kube, server: _Serv
 def test_not_found_on_a_write_is_kube_not_found(kube: Kube, server: _Server) -> None:
     server.answer.status = 404
     with pytest.raises(errors.KubeNotFound, match="create configmap: HTTP 404"):
-        kube.create_configmap("missing-ns", {"metadata": {"name": "c"}})
+        kube.create_object("configmap", "missing-ns", {"metadata": {"name": "c"}})
 
 
 def test_invalid_carries_the_servers_message_and_throttled_its_retry_after(
