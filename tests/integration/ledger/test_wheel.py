@@ -9,6 +9,7 @@ from a directory outside the checkout against an empty database on the session's
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -32,9 +33,16 @@ def _run(cmd: list[str], cwd: Path, env: dict[str, str] | None = None) -> str:
 
 @pytest.fixture(scope="module")
 def wheel(repo_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("wheel")
+    """Built from a copy of the checkout's files: pip builds in-tree, and a reused build/
+    directory keeps modules that were deleted since, so the wheel would not be the tree's."""
+    source, out = tmp_path_factory.mktemp("source"), tmp_path_factory.mktemp("wheel")
+    listed = _run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=repo_root)
+    for name in filter(None, listed.split("\0")):
+        if (repo_root / name).is_file():
+            (source / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(repo_root / name, source / name)
     _run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(out), str(repo_root)],
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(out), str(source)],
         cwd=out,
     )
     (built,) = out.glob("sandman_broker-*.whl")
