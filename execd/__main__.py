@@ -58,6 +58,19 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
         help="seconds a client may stall while sending one request",
     )
     p.add_argument(
+        "--head-timeout",
+        type=float,
+        default=10.0,
+        help="seconds (in total, from connect) a connection without the token has to send "
+        "its request head",
+    )
+    p.add_argument(
+        "--max-pending",
+        type=int,
+        default=64,
+        help="connections without the token held at once (the oldest is cut for a new one)",
+    )
+    p.add_argument(
         "--insecure-no-auth",
         action="store_true",
         help="serve without a token (local debugging only)",
@@ -147,7 +160,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     state = StateKeeper(shell, workdir, rundir)
     app = App(token, shell, state, args.max_body_bytes, umask)
     server = Server(
-        args.listen, app, idle_timeout=args.idle_timeout, request_timeout=args.request_timeout
+        args.listen,
+        app,
+        app.authorized,
+        idle_timeout=args.idle_timeout,
+        request_timeout=args.request_timeout,
+        head_timeout=args.head_timeout,
+        max_pending=args.max_pending,
     )
 
     def stop(signum: int, _frame: Any) -> None:
