@@ -263,6 +263,22 @@ class Kube:
             "create configmap", self.core.create_namespaced_config_map, namespace, body
         )
 
+    def get_secret(self, namespace: str, name: str) -> dict[str, Any] | None:
+        read = self.core.read_namespaced_secret
+        return read_json_or_none("read secret", read, name, namespace)
+
+    def create_secret(self, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
+        return call_json("create secret", self.core.create_namespaced_secret, namespace, body)
+
+    def delete_secret(self, namespace: str, name: str, *, uid: str | None) -> None:
+        """Delete with a UID precondition, like a pod: never a same-named replacement."""
+        options = client.V1DeleteOptions(
+            preconditions=client.V1Preconditions(uid=uid) if uid else None
+        )
+        call_json(
+            "delete secret", self.core.delete_namespaced_secret, name, namespace, body=options
+        )
+
     def get_network_policy(self, namespace: str, name: str) -> dict[str, Any] | None:
         read = self.net.read_namespaced_network_policy
         return read_json_or_none("read networkpolicy", read, name, namespace)
