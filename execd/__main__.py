@@ -1,11 +1,13 @@
 """Entry point: ``python3 -m execd --listen HOST:PORT``.
 
-Reads the token from SANDMAN_EXECD_TOKEN or the file named by
-SANDMAN_EXECD_TOKEN_FILE and removes both from the environment before bash is
-started, so no command can see it.
+Reads the token from the pipe or file descriptor named by SANDMAN_EXECD_TOKEN_FD
+(read to EOF, then closed: nothing in the sandbox can read it again), else the
+file named by SANDMAN_EXECD_TOKEN_FILE, else SANDMAN_EXECD_TOKEN, and removes all
+three from the environment before bash is started, so no command can see it.
 """
 
 import argparse
+import contextlib
 import logging
 import os
 import shutil
@@ -24,7 +26,7 @@ from .shell import Shell
 from .state import StateKeeper
 
 log = logging.getLogger("execd")
-TOKEN_VARS = ("SANDMAN_EXECD_TOKEN", "SANDMAN_EXECD_TOKEN_FILE")
+TOKEN_VARS = ("SANDMAN_EXECD_TOKEN", "SANDMAN_EXECD_TOKEN_FILE", "SANDMAN_EXECD_TOKEN_FD")
 
 
 def parse_listen(value: str) -> Tuple[str, int]:
@@ -59,6 +61,19 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
         help="seconds a client may stall while sending one request",
     )
     p.add_argument(
+        "--head-timeout",
+        type=float,
+        default=10.0,
+        help="seconds (in total, from connect) a connection without the token has to send "
+        "its request head",
+    )
+    p.add_argument(
+        "--max-pending",
+        type=int,
+        default=64,
+        help="connections without the token held at once (the oldest is cut for a new one)",
+    )
+    p.add_argument(
         "--insecure-no-auth",
         action="store_true",
         help="serve without a token (local debugging only)",
@@ -91,10 +106,38 @@ def scrub_environ(names: Iterable[str]) -> None:
         log.warning("could not scrub the environment block: %s", exc)
 
 
+def _read_fd(raw: str) -> str:
+    """The token from an inherited descriptor (a pipe the provider filled and closed).
+
+    The local provider uses this: an environment variable would sit in the
+    environ block of bubblewrap's init (PID 1 in the sandbox, which execd cannot
+    scrub), and a file would stay on disk. A pipe read to EOF is empty for anyone
+    who opens it later through /proc, and the descriptor is closed here.
+    """
+    if not raw.isdigit():
+        raise SystemExit("execd: SANDMAN_EXECD_TOKEN_FD is not a descriptor number")
+    fd, data = int(raw), b""
+    try:
+        while len(data) <= 4096:
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                break
+            data += chunk
+        return data.decode("utf-8").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SystemExit("execd: cannot read SANDMAN_EXECD_TOKEN_FD: %s" % exc) from None
+    finally:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
 def read_token(insecure: bool) -> bytes:
     token = os.environ.get("SANDMAN_EXECD_TOKEN", "")
     path = os.environ.get("SANDMAN_EXECD_TOKEN_FILE", "")
-    if not token and path:
+    fd = os.environ.get("SANDMAN_EXECD_TOKEN_FD", "")
+    if fd:
+        token = _read_fd(fd)
+    elif path:
         try:
             with open(path, "rb") as f:
                 token = f.read().decode("utf-8").strip()
@@ -105,7 +148,8 @@ def read_token(insecure: bool) -> bytes:
         os.environ.pop(name, None)
     if not token and not insecure:
         raise SystemExit(
-            "execd: no token: set SANDMAN_EXECD_TOKEN or SANDMAN_EXECD_TOKEN_FILE "
+            "execd: no token: set SANDMAN_EXECD_TOKEN_FD, SANDMAN_EXECD_TOKEN_FILE or "
+            "SANDMAN_EXECD_TOKEN "
             "(or pass --insecure-no-auth for local debugging)"
         )
     return token.encode("utf-8")
@@ -148,7 +192,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     state = StateKeeper(shell, workdir, rundir)
     app = App(token, shell, state, args.max_body_bytes, umask)
     server = Server(
-        args.listen, app, idle_timeout=args.idle_timeout, request_timeout=args.request_timeout
+        args.listen,
+        app,
+        app.authorized,
+        idle_timeout=args.idle_timeout,
+        request_timeout=args.request_timeout,
+        head_timeout=args.head_timeout,
+        max_pending=args.max_pending,
     )
 
     def stop(signum: int, _frame: Any) -> None:

@@ -70,15 +70,19 @@ class App:
         result = route[1](doc)
         return result if isinstance(result, Response) else Response(200, result)
 
-    def _authenticate(self, req: Request) -> None:
+    def authorized(self, req: Request) -> bool:
+        """Whether the head carries the token (the server's gate asks this too)."""
         if not self.token:
-            return  # --insecure-no-auth
+            return True  # --insecure-no-auth
         header = req.headers.get("authorization", "")
         scheme, _, given = header.partition(" ")
         # Compare bytes in constant time; never log or echo what was given.
-        if scheme.lower() != "bearer" or not hmac.compare_digest(
+        return scheme.lower() == "bearer" and hmac.compare_digest(
             given.strip().encode("latin-1", "replace"), self.token
-        ):
+        )
+
+    def _authenticate(self, req: Request) -> None:
+        if not self.authorized(req):
             raise errors.Unauthorized("missing or wrong bearer token")
 
     # ---- handlers --------------------------------------------------------------

@@ -5,12 +5,17 @@ caller never limited, and it answers malformed requests its own way. Here
 every refusal is a JSON error with a fitting status, the body limit is checked
 from Content-Length before a byte of the body is read, and each response goes
 out in one ``sendall`` (with TCP_NODELAY, keep-alive calls never stall on
-delayed ACKs). One daemon thread per connection, a socket timeout per
-connection, and a cap on connections keep slow clients from holding the
-daemon.
+delayed ACKs). One daemon thread per connection.
+
+Who may hold the daemon: a connection that has not shown the token is pending
+in the ``Gate`` (a short TOTAL deadline for its first request head, a small
+cap, the oldest cut first when it is full) and gets exactly one request
+answered (``/healthz`` or a 401) before it is closed. Only a connection whose
+head carries the token takes one of the server's slots and may stay open
+(keep-alive, idle timeout). So strangers can neither fill the slots nor
+slow-loris a head, and the trainer is always read.
 """
 
-import contextlib
 import json
 import logging
 import socket
@@ -20,6 +25,7 @@ import time
 from typing import Any, Callable, Dict, Iterable, Optional, Tuple
 
 from . import errors
+from .gate import Gate
 
 log = logging.getLogger("execd.http")
 
@@ -77,6 +83,8 @@ class Response:
 # How the app reads a request's body once it has accepted the route: (request, limit).
 BodyReader = Callable[[Request, int], bytes]
 Application = Callable[[Request, BodyReader], Response]
+# Whether a request's head carries the token (decided from the headers alone).
+Authorizer = Callable[[Request], bool]
 
 
 def error_response(exc: errors.ExecdError) -> Response:
@@ -90,6 +98,7 @@ class Close(Exception):
 class Handler(socketserver.StreamRequestHandler):
     server: "Server"
     wbufsize = 0
+    authed = False  # holds one of the server's slots (its first head carried the token)
 
     def setup(self) -> None:
         self.request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -102,6 +111,10 @@ class Handler(socketserver.StreamRequestHandler):
                 pass
         except (Close, OSError):
             pass
+        finally:
+            self.server.gate.leave(self.request)
+            if self.authed:
+                self.server.slots.release()
 
     def _one(self) -> bool:
         try:
@@ -111,6 +124,15 @@ class Handler(socketserver.StreamRequestHandler):
             return False
         if req is None:
             return False
+        if not self.server.authorized(req):
+            req.keep_alive = False  # one answer (healthz or 401), then the door closes
+        elif not self.authed:
+            if not self.server.gate.admit(self.request):
+                return False  # cut at its deadline while the head was being parsed
+            if not self.server.slots.acquire(blocking=False):
+                self._send(error_response(errors.Unavailable("every slot is taken")), False)
+                return False
+            self.authed = True
         started = time.monotonic()
         try:
             resp = self.server.app(req, self._read_body)
@@ -242,33 +264,27 @@ class Server(socketserver.ThreadingMixIn, socketserver.TCPServer):
         self,
         address: Tuple[str, int],
         app: Application,
+        authorized: Authorizer,
+        *,
         idle_timeout: float = 300.0,
         request_timeout: float = 60.0,
         max_connections: int = 256,
+        head_timeout: float = 10.0,
+        max_pending: int = 64,
     ) -> None:
         self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
         self.app = app
+        self.authorized = authorized
         self.idle_timeout = idle_timeout
         self.request_timeout = request_timeout
-        self._slots = threading.BoundedSemaphore(max_connections)
+        # A stranger never waits longer than a caller with the token would be let idle or stall.
+        self.gate = Gate(max_pending, min(head_timeout, idle_timeout, request_timeout))
+        self.slots = threading.BoundedSemaphore(max_connections)
         super().__init__(address, Handler)
 
     def process_request(self, request: Any, client_address: Any) -> None:
-        if not self._slots.acquire(blocking=False):
-            with contextlib.suppress(OSError):
-                request.sendall(
-                    b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\n"
-                    b"Connection: close\r\n\r\n"
-                )
-            self.shutdown_request(request)
-            return
+        self.gate.enter(request)  # before the thread exists: the cap holds at once
         super().process_request(request, client_address)
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         log.exception("connection from %s failed", client_address[0])
-
-    def process_request_thread(self, request: Any, client_address: Any) -> None:
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self._slots.release()

@@ -112,6 +112,22 @@ def _sandbox_python(hidden: list[Path]) -> tuple[str, str | None]:
     return real, None
 
 
+def _token_pipe(token: str) -> int:
+    """A pipe's read end holding ``token`` and then EOF (the write end is closed already).
+
+    A token is a few dozen bytes, far below the pipe buffer, so the write never blocks.
+    """
+    read_end, write_end = os.pipe()
+    try:
+        os.write(write_end, token.encode())
+    except OSError:
+        os.close(read_end)
+        raise
+    finally:
+        os.close(write_end)
+    return read_end
+
+
 class LocalBackend:
     """Backend protocol over bubblewrap processes; see the module docstring."""
 
@@ -230,6 +246,7 @@ class LocalBackend:
         port = self._claim_port()
         log = (self.root / spec.name / "execd.log").open("ab")
         read_fd, write_fd = os.pipe()
+        token_fd = _token_pipe(spec.token)
         try:
             proc = subprocess.Popen(
                 self._argv(spec, port, workspace, write_fd),
@@ -237,13 +254,15 @@ class LocalBackend:
                 stdout=log,
                 stderr=log,
                 start_new_session=True,
-                pass_fds=(write_fd,),
-                # The token travels in the environment (bwrap passes it through), never
-                # on the command line, where `ps` would show it to every local user.
+                pass_fds=(write_fd, token_fd),
+                # The token travels in a pipe that execd reads to EOF and closes: not on
+                # the command line (`ps` shows it to every local user), and not in the
+                # environment, which bubblewrap's init (PID 1 in the sandbox) would keep
+                # in its /proc/1/environ for every command to read.
                 env={
                     "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
                     "LANG": "C.UTF-8",
-                    "SANDMAN_EXECD_TOKEN": spec.token,
+                    "SANDMAN_EXECD_TOKEN_FD": str(token_fd),
                 },
             )
         except (OSError, KubeUnavailable) as exc:
@@ -253,6 +272,7 @@ class LocalBackend:
             raise KubeUnavailable(f"cannot start bwrap: {exc}") from exc
         finally:
             os.close(write_fd)
+            os.close(token_fd)
             log.close()
         with _children_lock:
             _children[proc.pid] = proc

@@ -153,7 +153,7 @@ def _json_lines(resp: Any) -> Iterator[dict[str, Any]]:
 
 
 # The namespaced side objects ``Kube.get_object``/``create_object`` handle.
-ObjectKind = Literal["configmap", "networkpolicy"]
+ObjectKind = Literal["configmap", "networkpolicy", "secret"]
 
 
 class Kube:
@@ -255,10 +255,13 @@ class Kube:
 
     def _methods(self, kind: ObjectKind) -> tuple[Callable[..., Any], Callable[..., Any]]:
         """The generated client's (read, create) pair for ``kind``: the broker's side
-        objects (the execd configmap, job owners, egress policies) are all read and
-        created the same way, so one ``get_object``/``create_object`` serves them."""
+        objects (the execd configmap, job owners, egress policies, execd token secrets)
+        are all read and created the same way, so one ``get_object``/``create_object``
+        serves them."""
         if kind == "configmap":
             return self.core.read_namespaced_config_map, self.core.create_namespaced_config_map
+        if kind == "secret":
+            return self.core.read_namespaced_secret, self.core.create_namespaced_secret
         net = self.net
         return net.read_namespaced_network_policy, net.create_namespaced_network_policy
 
@@ -271,6 +274,15 @@ class Kube:
     ) -> dict[str, Any]:
         _, create = self._methods(kind)
         return call_json(f"create {kind}", create, namespace, body)
+
+    def delete_secret(self, namespace: str, name: str, *, uid: str | None) -> None:
+        """Delete with a UID precondition, like a pod: never a same-named replacement."""
+        options = client.V1DeleteOptions(
+            preconditions=client.V1Preconditions(uid=uid) if uid else None
+        )
+        call_json(
+            "delete secret", self.core.delete_namespaced_secret, name, namespace, body=options
+        )
 
     def ensure_namespace(self, name: str, *, timeout_s: float = 60.0) -> None:
         """Make sure pods can be created in ``name``.

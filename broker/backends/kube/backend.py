@@ -238,12 +238,43 @@ class KubeBackend:
         )
         self._watch(spec.namespace)  # following before the POST: its events are not missed
         try:
+            with self._in_namespace(spec.namespace, "create secrets"):
+                self._ensure_token_secret(spec, owner_uid)
             with self._in_namespace(spec.namespace, "create pods"):
                 return pod_info(self.kube.create_pod(spec.namespace, body), self.port)
         except KubeNotFound:
             # The owner object was deleted under us (cache stale): refresh once.
             self._owners.pop((spec.namespace, spec.job), None)
             raise
+
+    def _ensure_token_secret(self, spec: PodSpec, owner_uid: str) -> None:
+        """The pod's token Secret, before the pod (kubelet mounts it at start).
+
+        Creation is idempotent like the pod's: a Secret already there from a retry
+        of this very create (same nonce) is kept; one left by another pod of the same
+        name is refused, never reused.
+        """
+        try:
+            self.kube.create_object("secret", spec.namespace, podspec.token_secret(spec, owner_uid))
+        except KubeConflict:
+            found = self.kube.get_object(
+                "secret", spec.namespace, podspec.token_secret_name(spec.name)
+            )
+            labels = ((found or {}).get("metadata") or {}).get("labels") or {}
+            if labels.get(LABEL_NONCE) != spec.nonce:
+                raise
+
+    def _delete_token_secret(self, namespace: str, name: str, nonce: str) -> None:
+        """Delete the pod's token Secret if it is this pod's (nonce and installation match)."""
+        secret = self.kube.get_object("secret", namespace, podspec.token_secret_name(name))
+        if secret is None:
+            return
+        meta = secret.get("metadata") or {}
+        labels = meta.get("labels") or {}
+        if labels.get(LABEL_NONCE) != nonce or labels.get(LABEL_INSTALLATION) != self.installation:
+            return  # another pod's of the same name: not ours to remove
+        with contextlib.suppress(KubeNotFound, KubeConflict):
+            self.kube.delete_secret(namespace, podspec.token_secret_name(name), uid=meta.get("uid"))
 
     def get(self, namespace: str, name: str) -> PodInfo | None:
         pod = self.kube.get_pod(namespace, name)
@@ -252,6 +283,7 @@ class KubeBackend:
     def delete(self, namespace: str, name: str, nonce: str) -> bool:
         pod = self.kube.get_pod(namespace, name)
         if pod is None:
+            self._delete_token_secret(namespace, name, nonce)  # a create that died in between
             return True
         labels = (pod.get("metadata") or {}).get("labels") or {}
         if labels.get(LABEL_NONCE) != nonce or labels.get(LABEL_INSTALLATION) != self.installation:
@@ -259,9 +291,10 @@ class KubeBackend:
         try:
             self.kube.delete_pod(namespace, name, uid=pod["metadata"].get("uid"))
         except KubeNotFound:
-            return True
+            pass
         except KubeConflict as exc:  # UID precondition failed: a different object now
             raise OwnershipError(f"{name} was replaced; not deleting it") from exc
+        self._delete_token_secret(namespace, name, nonce)
         return True
 
     def list_installation(self, namespace: str, installation: str) -> list[PodInfo]:

@@ -5,11 +5,14 @@ read-only and run as the container command; requests == limits; no Service links
 thousands of Services every container got ~23k variables); no service-account token; no
 Service per pod (pods are addressed by IP); readiness probe on execd; topology spread over
 hosts and zones so one node or subnet doesn't take a whole burst; restartPolicy Never
-(a restarted container would silently lose the rollout's state).
+(a restarted container would silently lose the rollout's state). The execd token is a
+per-pod Secret mounted as a file (``kubectl get pod -o yaml`` shows only its name), owned
+by the job's owner object like the pod, labelled like the pod, and deleted with it.
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
 from pathlib import Path
 from typing import Any
@@ -23,6 +26,8 @@ from broker.backends.base import (
 )
 
 EXECD_MOUNT = "/opt/sandman"
+TOKEN_DIR = "/var/run/sandman-execd"  # noqa: S105 (where the Secret is mounted)
+TOKEN_KEY = "token"  # noqa: S105 (the key inside the Secret)
 EXECD_DIR = Path(__file__).resolve().parents[3] / "execd"
 
 
@@ -71,6 +76,38 @@ def owner_configmap(job: str, installation: str) -> dict[str, Any]:
     }
 
 
+def owner_reference(job: str, owner_uid: str) -> dict[str, Any]:
+    """The job's owner object: deleting it deletes every pod and token Secret of the job."""
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "name": owner_name(job),
+        "uid": owner_uid,
+        "blockOwnerDeletion": False,
+        "controller": False,
+    }
+
+
+def token_secret_name(pod: str) -> str:
+    return f"{pod}-execd-token"[:253]
+
+
+def token_secret(spec: PodSpec, owner_uid: str) -> dict[str, Any]:
+    """The pod's execd token, kept out of the pod object (an env value shows in its yaml)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "type": "Opaque",
+        "immutable": True,
+        "metadata": {
+            "name": token_secret_name(spec.name),
+            "labels": spec.labels(),  # nonce included: delete checks it like the pod's
+            "ownerReferences": [owner_reference(spec.job, owner_uid)],
+        },
+        "data": {TOKEN_KEY: base64.b64encode(spec.token.encode()).decode()},
+    }
+
+
 def egress_policy_name(job: str) -> str:
     return f"sandman-egress-{job}"[:253]
 
@@ -110,7 +147,7 @@ def pod_manifest(
     env += [
         {"name": "PYTHONPATH", "value": EXECD_MOUNT},
         {"name": "PYTHONDONTWRITEBYTECODE", "value": "1"},
-        {"name": "SANDMAN_EXECD_TOKEN", "value": spec.token},
+        {"name": "SANDMAN_EXECD_TOKEN_FILE", "value": f"{TOKEN_DIR}/{TOKEN_KEY}"},
     ]
     spread_selector = {"matchLabels": {LABEL_INSTALLATION: spec.installation, LABEL_JOB: spec.job}}
     return {
@@ -119,16 +156,7 @@ def pod_manifest(
         "metadata": {
             "name": spec.name,
             "labels": spec.labels(),
-            "ownerReferences": [
-                {
-                    "apiVersion": "v1",
-                    "kind": "ConfigMap",
-                    "name": owner_name(spec.job),
-                    "uid": owner_uid,
-                    "blockOwnerDeletion": False,
-                    "controller": False,
-                }
-            ],
+            "ownerReferences": [owner_reference(spec.job, owner_uid)],
         },
         "spec": {
             "restartPolicy": "Never",
@@ -178,7 +206,8 @@ def pod_manifest(
                         "timeoutSeconds": 1,
                     },
                     "volumeMounts": [
-                        {"name": "execd", "mountPath": f"{EXECD_MOUNT}/execd", "readOnly": True}
+                        {"name": "execd", "mountPath": f"{EXECD_MOUNT}/execd", "readOnly": True},
+                        {"name": "execd-token", "mountPath": TOKEN_DIR, "readOnly": True},
                     ],
                 }
             ],
@@ -189,7 +218,15 @@ def pod_manifest(
                         "name": execd_configmap,
                         "items": [{"key": k, "path": k} for k in execd_keys],
                     },
-                }
+                },
+                {
+                    "name": "execd-token",
+                    "secret": {
+                        "secretName": token_secret_name(spec.name),
+                        "items": [{"key": TOKEN_KEY, "path": TOKEN_KEY}],
+                        "defaultMode": 0o400,
+                    },
+                },
             ],
         },
     }
