@@ -243,6 +243,10 @@ RBAC_MATRIX = [
         "create networkpolicies.networking.k8s.io",
         "list events",
         "get serviceaccounts/default",
+        # each pod's execd token Secret: made before the pod, deleted with it
+        "create secrets",
+        "get secrets",
+        "delete secrets",
     ),
     # nothing beyond that in the sandbox namespace
     *_asks(
@@ -256,9 +260,9 @@ RBAC_MATRIX = [
         "create serviceaccounts:token",
         "create pods:eviction",
         "create rolebindings.rbac.authorization.k8s.io",
-        "get secrets",
         "list secrets",
-        "create secrets",
+        "watch secrets",
+        "update secrets",
     ),
     # no other namespace, including its own
     *_asks("default", False, "create pods", "delete pods", "create configmaps"),
