@@ -229,6 +229,7 @@ class Stack:
         policy's backoff. Exited sandboxes reparented to us (a dead worker's, deleted
         later) are reaped here, so none stays a zombie of the stack."""
         due: dict[str, float] = {}
+        reaped_at = 0.0
         while not stop.wait(0.2):
             now = time.monotonic()
             for name, proc in list(self.procs.items()):
@@ -249,7 +250,9 @@ class Stack:
                     self._spawn(name, self.argv[name])
                     echo(f"{name} restarted: pid {self.procs[name].pid}")
                     self._write_marker()
-            reclaim.reap_orphans(p.pid for p in self.procs.values())
+            if now - reaped_at >= 2.0:  # one /proc scan: not at every tick on a busy laptop
+                reaped_at = now
+                reclaim.reap_orphans(p.pid for p in self.procs.values())
         return "stop requested"
 
     def wait_ready(self, timeout: float = 60.0) -> None:

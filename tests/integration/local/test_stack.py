@@ -75,8 +75,9 @@ class Up:
         return {k: int(v) for k, v in data["children"].items()}
 
     def kill_everything(self) -> None:
-        """Teardown: whatever a failed test left (stack, workers, sandboxes)."""
-        pids = marked_processes(self.state)
+        """Teardown: whatever a failed test left (stack, workers, sandboxes), including
+        workers orphaned to init, found by the state dir in their environment."""
+        pids = marked_processes(self.state) + _with_state_env(self.state)
         if self.proc is not None:
             pids += [self.proc.pid, *descendants(self.proc.pid)]
         for pid in pids:
@@ -84,6 +85,16 @@ class Up:
                 os.kill(pid, signal.SIGKILL)
         if self.proc is not None:
             self.proc.wait()
+
+
+def _with_state_env(state: Path) -> list[int]:
+    mark = b"SANDMAN_STATE_DIR=" + os.fsencode(str(state)) + b"\0"
+    out = []
+    for entry in os.listdir("/proc"):
+        with contextlib.suppress(OSError):
+            if entry.isdigit() and mark in Path(f"/proc/{entry}/environ").read_bytes():
+                out.append(int(entry))
+    return [pid for pid in out if pid != os.getpid()]
 
 
 @pytest.fixture
