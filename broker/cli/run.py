@@ -65,7 +65,12 @@ def register(group: click.Group) -> None:
     @click.option("--no-web", is_flag=True, help="Do not start the admin UI.")
     @click.pass_context
     def up(ctx: click.Context, kubeconfig: str | None, no_web: bool) -> None:
-        """Start everything on this machine; Ctrl-C stops it all."""
+        """Start everything on this machine and keep it running; Ctrl-C stops it all.
+
+        A child that exits is restarted with backoff; a crash loop stops the stack. A stop
+        deletes this installation's local sandboxes (their rows close), and a start
+        reclaims whatever an unclean stop left."""
+        from broker.errors import ServiceUnavailable
         from broker.local.stack import Stack
 
         settings = _settings(ctx)
@@ -73,22 +78,40 @@ def register(group: click.Group) -> None:
             settings = dataclasses.replace(settings, backend="kubernetes", kubeconfig=kubeconfig)
         stack = Stack(settings)
         stop = threading.Event()
-        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        supervising = threading.Event()
+
+        def on_signal(signum: int, _frame: object) -> None:
+            stop.set()
+            if not supervising.is_set():
+                raise KeyboardInterrupt  # still starting: abandon the start, then stop
+            click.echo(f"{signal.Signals(signum).name}: stopping", err=True)
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+        reason = "interrupted while starting"
+        failed = False
         try:
             stack.start(web=not no_web)
             click.echo(f"sandman up: backend={settings.backend}, logs in {stack.logs}")
             for name, proc in stack.procs.items():
                 click.echo(f"  {name}: pid {proc.pid}")
-            click.echo("Ctrl-C to stop.")
-            while not stop.wait(1.0):
-                if not stack.alive():
-                    click.echo("a child process exited; stopping", err=True)
-                    break
+            click.echo("Ctrl-C to stop (this installation's local sandboxes are deleted).")
+            supervising.set()
+            reason = stack.supervise(stop, echo=lambda line: click.echo(line, err=True))
+            failed = not stop.is_set()
         except KeyboardInterrupt:
             pass
+        except ServiceUnavailable as exc:
+            reason, failed = str(exc), True
         finally:
-            stack.stop()
+            # A second Ctrl-C must not cut the drain short and leave sandboxes behind.
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            click.echo(f"stopping: {reason}", err=failed)
+            stack.stop(echo=click.echo)
             click.echo("stopped")
+        if failed:
+            sys.exit(1)
 
     @group.command("demo")
     @click.option("--rollouts", default=48, show_default=True)
