@@ -31,7 +31,8 @@ import argparse, json, os, subprocess
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 p = argparse.ArgumentParser(); p.add_argument("--listen"); p.add_argument("--workdir")
 a = p.parse_args(); host, port = a.listen.rsplit(":", 1)
-TOKEN = os.environ["SANDMAN_EXECD_TOKEN"]
+fd = os.environ.get("SANDMAN_EXECD_TOKEN_FD")  # how the local backend hands the token over
+TOKEN = os.fdopen(int(fd)).read().strip() if fd else os.environ["SANDMAN_EXECD_TOKEN"]
 MARK = os.path.join(a.workdir, "DIRTY")
 class H(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
