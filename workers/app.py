@@ -44,6 +44,8 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "task_queues": [KombuQueue(q.value) for q in Queue],
         "task_default_queue": Queue.ACQUIRE.value,
         "task_routes": {task.value: {"queue": queue.value} for task, queue in TASK_QUEUE.items()},
+        # Channels that outlive a lost connection (a Redis restart): workers/transport.py
+        "broker_transport": "workers.transport:Transport",
         "broker_transport_options": {"visibility_timeout": VISIBILITY_TIMEOUT_S},
         "broker_connection_retry_on_startup": True,
         "worker_prefetch_multiplier": 1,
