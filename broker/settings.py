@@ -95,6 +95,17 @@ class Settings:
         if self.max_reuses < 0:
             raise ConfigError("SANDMAN_MAX_REUSES must be >= 0")
 
+    @property
+    def redelivery_s(self) -> float:
+        """How long a task message may go unrenewed before another worker gets it.
+
+        Derived, not set: a quarter of the readiness budget, between 5 s and 60 s, so a
+        redelivery after a worker death fits well inside an acquire's own budget (the
+        trainer's timeout, 300 s by default). Live workers renew the messages they hold
+        (``workers.leases``), so this bounds how long a dead worker's tasks wait, never
+        how long a task may run."""
+        return min(60.0, max(5.0, self.readiness_budget_s / 4))
+
     def redacted(self) -> dict[str, str]:
         """A printable view: secrets blanked and URL passwords masked, safe for logs."""
         out: dict[str, str] = {}

@@ -9,6 +9,7 @@ JSON only: a pickled message is code execution for anyone who can write to Redis
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from celery import Celery
@@ -19,9 +20,20 @@ from broker.names import TASK_QUEUE, Queue, Task
 from broker.settings import Settings
 from broker.wire.services import known_urls
 
-# Above the longest task: an acquire waits for the pacer and a readiness budget, a pool
-# refill up to its own budget; an unacked message is redelivered only after this.
-VISIBILITY_TIMEOUT_S = 3600
+
+def transport_options(settings: Settings) -> dict[str, Any]:
+    """Redelivery within an acquire's budget: a message that no live worker renewed for
+    ``settings.redelivery_s`` goes back to its queue (``workers.leases`` renews what a
+    live worker holds, however long the task runs). The restore sweep runs every fifth
+    of that, on every call (kombu's default throttle would make it 10x slower), and a
+    sweep's mutex left by a killed worker expires as fast."""
+    redelivery = settings.redelivery_s
+    return {
+        "visibility_timeout": redelivery,
+        "unacked_restore_interval": max(1.0, redelivery / 5),
+        "unacked_restore_throttle": 1,
+        "unacked_mutex_expire": math.ceil(redelivery),
+    }
 
 
 def celery_config(settings: Settings) -> dict[str, Any]:
@@ -44,7 +56,9 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "task_queues": [KombuQueue(q.value) for q in Queue],
         "task_default_queue": Queue.ACQUIRE.value,
         "task_routes": {task.value: {"queue": queue.value} for task, queue in TASK_QUEUE.items()},
-        "broker_transport_options": {"visibility_timeout": VISIBILITY_TIMEOUT_S},
+        # Channels that outlive a lost connection (a Redis restart): workers/transport.py
+        "broker_transport": "workers.transport:Transport",
+        "broker_transport_options": transport_options(settings),
         "broker_connection_retry_on_startup": True,
         "worker_prefetch_multiplier": 1,
         "worker_hijack_root_logger": False,
@@ -57,5 +71,5 @@ def celery_config(settings: Settings) -> dict[str, Any]:
     }
 
 
-app = Celery("sandman", include=["workers.tasks"])
+app = Celery("sandman", include=["workers.tasks", "workers.leases"])
 app.add_defaults(lambda: celery_config(Settings.from_env()))
