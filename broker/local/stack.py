@@ -21,6 +21,7 @@ from pathlib import Path
 
 from broker.errors import ServiceUnavailable
 from broker.ledger.migrate import upgrade
+from broker.local.private import PRIVATE_UMASK, private_dir
 from broker.local.services import ensure_services
 from broker.names import Queue
 from broker.settings import Settings
@@ -95,7 +96,7 @@ class Stack:
         urls = ensure_services(self.settings)
         self.database_url, self.redis_url = urls.database_url, urls.redis_url
         upgrade(self.database_url)
-        self.logs.mkdir(parents=True, exist_ok=True)
+        private_dir(self.logs)
         env = child_env(self.settings, self.database_url, self.redis_url)
         for name, queues, threads in WORKERS:
             self._spawn(f"worker-{name}", worker_argv(name, queues, threads), env)
@@ -130,9 +131,18 @@ class Stack:
         )
 
     def _spawn(self, name: str, argv: list[str], env: dict[str, str]) -> None:
-        log = (self.logs / f"{name}.log").open("ab")
+        path = self.logs / f"{name}.log"
+        log = os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab")
+        path.chmod(0o600)  # a log an older version left 0644
+        # Children write meta files, schedules and logs into the state dir: private from birth.
         self.procs[name] = subprocess.Popen(
-            argv, env=env, stdout=log, stderr=log, stdin=subprocess.DEVNULL, cwd=REPO_ROOT
+            argv,
+            env=env,
+            stdout=log,
+            stderr=log,
+            stdin=subprocess.DEVNULL,
+            cwd=REPO_ROOT,
+            umask=PRIVATE_UMASK,
         )
         log.close()
 
