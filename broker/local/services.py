@@ -113,13 +113,15 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _port_for(settings: Settings, service: Service) -> int:
+def _port_for(settings: Settings, service: Service, running: int | None) -> int:
     """The port of this state dir's ``service``: an explicit SANDMAN_EMBEDDED_*_PORT, else
-    the one recorded at first start, else a free one, recorded now (before it starts, so
-    a crash between the two cannot lose it)."""
+    the one recorded at first start, else the one this state dir's server already runs on
+    (a state dir from before ports were recorded), else a free one. Recorded now, before
+    the server starts, so a crash between the two cannot lose it."""
     explicit = settings.embedded_pg_port if service == "postgres" else settings.embedded_redis_port
-    port = explicit or recorded_port(settings, service) or _free_port()
-    if port != recorded_port(settings, service):
+    recorded = recorded_port(settings, service)
+    port = explicit or recorded or running or _free_port()
+    if port != recorded:
         _record(settings, ports={service: port})
     return port
 
@@ -268,8 +270,6 @@ def ensure_postgres(settings: Settings) -> str:
     root = settings.state_dir / "postgres"
     data, log = root / "data", root / "postgres.log"
     password = _secret_file(settings, "postgres.password")
-    port = _port_for(settings, "postgres")
-    url = f"postgresql+psycopg://sandman:{quote(password)}@127.0.0.1:{port}/{PG_DATABASE}"
     root.mkdir(mode=0o700, exist_ok=True)
     bin_dir = _pg_bin()
     if run_as:
@@ -288,6 +288,8 @@ def ensure_postgres(settings: Settings) -> str:
         finally:
             pwfile.unlink(missing_ok=True)
     running = _pg_running_port(data)
+    port = _port_for(settings, "postgres", running)
+    url = f"postgresql+psycopg://sandman:{quote(password)}@127.0.0.1:{port}/{PG_DATABASE}"
     _running_elsewhere("PostgreSQL", running, port)
     if _port_open(port):
         if running is None:
@@ -406,8 +408,8 @@ def ensure_redis(settings: Settings) -> str:
     root = private_dir(settings.state_dir / "redis")
     tighten(root)
     password = _secret_file(settings, "redis.password")
-    port = _port_for(settings, "redis")
     running = _redis_running_port(root)
+    port = _port_for(settings, "redis", running)
     _running_elsewhere("Redis", running, port)
     conf = root / "redis.conf"
     write_private(

@@ -3,6 +3,7 @@ to its own PostgreSQL and Redis (issue 20, item 9)."""
 
 from __future__ import annotations
 
+import json
 import socket
 from collections.abc import Callable
 
@@ -13,7 +14,7 @@ import redis
 from broker.errors import ServiceUnavailable
 from broker.local.services import ensure_redis, ensure_services, stop_redis
 from broker.settings import Settings
-from broker.wire.services import known_urls, recorded_port
+from broker.wire.services import known_urls, read_record, recorded_port, urls_file
 from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.integration
@@ -66,6 +67,26 @@ def test_an_explicit_port_still_wins(state_dirs: Callable[[], Settings]) -> None
     explicit = Settings(state_dir=settings.state_dir, embedded_redis_port=port)
     assert f"@127.0.0.1:{port}/" in ensure_redis(explicit)
     assert recorded_port(settings, "redis") == port  # the next start without it reuses it
+
+
+def test_a_state_dir_from_before_ports_were_recorded_keeps_its_running_servers(
+    state_dirs: Callable[[], Settings],
+) -> None:
+    """An older record has no ports; its servers run on what were the fixed defaults."""
+    settings = state_dirs()
+    with socket.socket() as one, socket.socket() as two:
+        one.bind(("127.0.0.1", 0))
+        two.bind(("127.0.0.1", 0))
+        pg_port, redis_port = one.getsockname()[1], two.getsockname()[1]
+    old = Settings(
+        state_dir=settings.state_dir, embedded_pg_port=pg_port, embedded_redis_port=redis_port
+    )
+    before = ensure_services(old)
+    record = urls_file(settings)
+    record.write_text(json.dumps({k: v for k, v in read_record(settings).items() if k != "ports"}))
+    assert ensure_services(settings) == before  # adopted, not a second server on a new port
+    assert recorded_port(settings, "postgres") == pg_port
+    assert recorded_port(settings, "redis") == redis_port
 
 
 def test_another_state_dirs_server_on_our_port_is_refused(
