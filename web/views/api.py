@@ -10,6 +10,7 @@ from typing import Any
 
 from flask import Blueprint, jsonify, request
 
+from broker.names import LeakKind
 from broker.ownership import leaks as leakops
 from web import listing, params, serialize, stats
 from web.openapi import spec
@@ -79,7 +80,7 @@ def sandbox_detail(sandbox_id: str) -> Any:
 def leak_list() -> Any:
     try:
         status = params.choice(request.args, "status", ("open", "resolved", "all"), "open")
-        kind = params.text(request.args, "kind", 32)
+        kind = params.choice(request.args, "kind", ("", *LeakKind), "")
         before = params.integer(request.args, "before", 1, params.MAX_BIGINT)
     except params.ParamError as exc:
         return error(400, "bad_request", str(exc))

@@ -9,6 +9,7 @@ from sqlalchemy import select
 
 from broker.errors import SandmanError
 from broker.ledger.models import Leak
+from broker.names import LeakKind
 from broker.ownership import leaks as leakops
 from web import params, stats
 from web.views import actor, live_args, root, wants_fragment
@@ -34,7 +35,7 @@ def query_leaks(session: Any, status: str, kind: str, before: int | None) -> lis
 def index() -> Any:
     try:
         status = params.choice(request.args, "status", ("open", "resolved", "all"), "open")
-        kind = params.text(request.args, "kind", 32)
+        kind = params.choice(request.args, "kind", ("", *LeakKind), "")
         before = params.integer(request.args, "before", 1, params.MAX_BIGINT)
     except params.ParamError as exc:
         abort(400, str(exc))
