@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import socket
 from collections.abc import Callable
+from pathlib import Path
 
 import psycopg
 import pytest
@@ -115,3 +116,28 @@ def test_another_state_dirs_server_on_our_port_is_refused(
 def _listening(port: int) -> bool:
     with socket.socket() as sock:
         return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_sandman_services_up_in_two_state_dirs_prints_their_own_urls(
+    state_dirs: Callable[[], Settings],
+) -> None:
+    """The CLI path: no port in the environment, each state dir gets and keeps its own."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SANDMAN_")}
+    seen = []
+    for settings in (state_dirs(), state_dirs()):
+        out = subprocess.run(
+            [str(Path(sys.executable).parent / "sandman"), "services", "up"],
+            env={**env, "SANDMAN_STATE_DIR": str(settings.state_dir)},
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=180,
+        ).stdout
+        assert f"127.0.0.1:{recorded_port(settings, 'postgres')}/" in out
+        assert f"127.0.0.1:{recorded_port(settings, 'redis')}/" in out
+        seen.append(out)
+    assert seen[0] != seen[1]
