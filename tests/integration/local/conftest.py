@@ -1,7 +1,9 @@
-"""Embedded services of throwaway state dirs, stopped (by their own pid files) at the end."""
+"""Embedded services of throwaway state dirs, stopped (by their own pid files) and removed
+at the end."""
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -10,6 +12,7 @@ import pytest
 
 from broker.local.services import stop_postgres, stop_redis
 from broker.settings import Settings
+from tests.support.wait import wait_until
 
 
 @pytest.fixture
@@ -26,3 +29,9 @@ def state_dirs() -> Iterator[Callable[[], Settings]]:
     for settings in made:
         stop_redis(settings)
         stop_postgres(settings)
+        wait_until(_gone(settings.state_dir / "redis" / "redis.pid"), 30, what="redis stopped")
+        shutil.rmtree(settings.state_dir, ignore_errors=True)
+
+
+def _gone(path: Path) -> Callable[[], bool]:
+    return lambda: not path.exists()
