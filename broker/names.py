@@ -48,6 +48,21 @@ def queue_of(task: str) -> Queue:
     return TASK_QUEUE[Task(task)]
 
 
+class LeakKind(StrEnum):
+    """What the GC found (``leaks.kind``); the admin API filters by these and refuses others."""
+
+    UNOWNED_POD = "unowned_pod"  # a pod of ours that no live row owns
+    LATE_POD = "late_pod"  # a pod that appeared after its row was deleted
+    STUCK_CREATE = "stuck_create"  # a creating row past its lease
+    ABANDONED = "abandoned"  # a lease that expired with no heartbeat
+    IDLE = "idle"  # a ready sandbox unused past the idle timeout
+    POD_LOST = "pod_lost"  # a live row whose pod is gone
+    PENDING_DELETE = "pending_delete"  # a delete the GC finished
+    # Written by earlier versions: kept so their rows can still be filtered.
+    DANGLING_ROW = "dangling_row"
+    FOREIGN_POD = "foreign_pod"
+
+
 # Pod labels: the GC trusts only pods whose installation label and nonce it wrote.
 LABEL_INSTALLATION = "sandman.io/installation"
 LABEL_JOB = "sandman.io/job"

@@ -42,8 +42,10 @@ class Settings:
     # Empty URLs mean "start the embedded PostgreSQL / Redis in state_dir".
     database_url: str = ""
     redis_url: str = ""
-    embedded_pg_port: int = 15432
-    embedded_redis_port: int = 16379
+    # 0: the port is chosen free at the state dir's first start and recorded there
+    # (run/services.json), so two state dirs on one machine never share a server.
+    embedded_pg_port: int = 0
+    embedded_redis_port: int = 0
     # Label value that marks pods as this installation's; the GC never touches other values.
     installation_id: str = "sandman-local"
     backend: Backend = "local"
@@ -94,6 +96,11 @@ class Settings:
             raise ConfigError("SANDMAN_CREATE_RATE must be > 0 and SANDMAN_CREATE_BURST >= 1")
         if self.max_reuses < 0:
             raise ConfigError("SANDMAN_MAX_REUSES must be >= 0")
+        for name in ("embedded_pg_port", "embedded_redis_port"):
+            if not 0 <= getattr(self, name) < 65536:
+                raise ConfigError(
+                    f"SANDMAN_{name.upper()} must be a port (0 = chosen per state dir)"
+                )
 
     @property
     def redelivery_s(self) -> float:

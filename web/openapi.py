@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from broker import __version__
+from broker.names import LeakKind
 
 
 def _n(kind: str, **extra: Any) -> dict[str, Any]:
@@ -205,7 +206,7 @@ def spec() -> dict[str, Any]:
             _obj({"items": {"type": "array", "items": _ref("Leak")}, "next_before": _n(_I)}),
             [
                 _param("status", {"type": _S, "enum": ["open", "resolved", "all"]}),
-                _param("kind", {"type": _S, "maxLength": 32}),
+                _param("kind", {"type": _S, "enum": ["", *(k.value for k in LeakKind)]}),
                 _param("before", {"type": _I, "minimum": 1, "maximum": 2**63 - 1}),
             ],
         ),

@@ -29,6 +29,7 @@ from pathlib import Path
 from broker.errors import ServiceUnavailable
 from broker.ledger.migrate import upgrade
 from broker.local import reclaim
+from broker.local.private import PRIVATE_UMASK, private_dir
 from broker.local.services import ensure_services
 from broker.names import Queue
 from broker.settings import Settings
@@ -166,7 +167,7 @@ class Stack:
         urls = ensure_services(self.settings)
         self.database_url, self.redis_url = urls.database_url, urls.redis_url
         upgrade(self.database_url)
-        self.logs.mkdir(parents=True, exist_ok=True)
+        private_dir(self.logs)
         if self.settings.backend == "local":  # what a stack that could not stop left behind
             left = reclaim.drain(self.settings, self.database_url, self.redis_url, below_us=False)
             if echo and (left.released or left.killed or left.failed):
@@ -211,7 +212,10 @@ class Stack:
 
     def _spawn(self, name: str, argv: list[str]) -> None:
         self.argv[name] = argv
-        log = (self.logs / f"{name}.log").open("ab")
+        path = self.logs / f"{name}.log"
+        log = os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab")
+        path.chmod(0o600)  # a log an older version left 0644
+        # Children write meta files, schedules and logs into the state dir: private from birth.
         self.procs[name] = subprocess.Popen(
             with_parent_death(argv),
             env=self.env,
@@ -219,6 +223,7 @@ class Stack:
             stderr=log,
             stdin=subprocess.DEVNULL,
             cwd=REPO_ROOT,
+            umask=PRIVATE_UMASK,
         )
         log.close()
 

@@ -5,6 +5,10 @@ Processes that must never start a service (the trainer client, the admin UI, a w
 started by hand) read the URLs here: a service started by one of them would be a second,
 empty Redis or PostgreSQL that no worker reads. ``broker.local.services`` is the only
 writer of the record (0600, it carries passwords); everyone else only reads.
+
+The record is one JSON object per state dir: the embedded services' URLs and the ports
+they were given at first start (``ports``). The ports belong to the state dir, so two
+installations on one machine never share (or silently talk to) each other's servers.
 """
 
 from __future__ import annotations
@@ -12,9 +16,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Literal
 
 from broker.errors import ServiceUnavailable
 from broker.settings import Settings
+
+Service = Literal["postgres", "redis"]
 
 
 @dataclass(frozen=True)
@@ -27,15 +34,26 @@ def urls_file(settings: Settings) -> Path:
     return settings.state_dir / "run" / "services.json"
 
 
-def known_urls(settings: Settings) -> ServiceUrls:
-    """The service URLs without starting anything: the settings', else those the last
-    ``sandman services up`` recorded; "" where neither knows one."""
+def read_record(settings: Settings) -> dict[str, Any]:
+    """The state dir's services record as written; {} when missing or unreadable."""
     try:
         recorded = json.loads(urls_file(settings).read_text())
     except (OSError, ValueError):
-        recorded = {}
-    if not isinstance(recorded, dict):
-        recorded = {}
+        return {}
+    return recorded if isinstance(recorded, dict) else {}
+
+
+def recorded_port(settings: Settings, service: Service) -> int:
+    """The port this state dir's embedded ``service`` was given at first start; 0 if none."""
+    ports = read_record(settings).get("ports")
+    port = ports.get(service) if isinstance(ports, dict) else None
+    return port if isinstance(port, int) and 0 < port < 65536 else 0
+
+
+def known_urls(settings: Settings) -> ServiceUrls:
+    """The service URLs without starting anything: the settings', else those the last
+    ``sandman services up`` recorded; "" where neither knows one."""
+    recorded = read_record(settings)
     return ServiceUrls(
         database_url=settings.database_url or str(recorded.get("database_url") or ""),
         redis_url=settings.redis_url or str(recorded.get("redis_url") or ""),

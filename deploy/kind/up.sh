@@ -50,6 +50,13 @@ kind load docker-image --name "$NAME" "$IMAGE" >&2
 # Task images for sandboxes must be present on the nodes too (or in a registry they can
 # pull from); load your own the same way: kind load docker-image --name sandman IMAGE
 
+# The key behind every execd token is generated here, once per install, never committed.
+kubectl create namespace sandman-system --dry-run=client -o yaml | kubectl apply -f - >&2
+if ! kubectl -n sandman-system get secret sandman-secret-key >/dev/null 2>&1; then
+  log "generating SANDMAN_SECRET_KEY into the Secret sandman-secret-key"
+  kubectl -n sandman-system create secret generic sandman-secret-key \
+    --from-literal=SANDMAN_SECRET_KEY="$(head -c 48 /dev/urandom | base64 | tr -d '\n')" >/dev/null
+fi
 log "applying the dev overlay"
 kubectl apply --server-side -k "$REPO_ROOT/deploy/k8s/overlays/dev" >&2
 kubectl -n sandman-system wait --for=condition=complete job/sandman-migrate --timeout=300s >&2

@@ -202,9 +202,13 @@ start etcd "$ETCD_BIN/etcd" \
 wait_for "etcd health" 60 curl -fsS "http://127.0.0.1:$ETCD_CLIENT_PORT/health"
 
 # ---------------------------------------------------------------- kube-apiserver
+# Loopback only: every client (kubectl, the kubelet, kwok, the controller-manager, the
+# scheduler, kube-network-policies, the broker's hostNetwork pods) runs in the host's network
+# namespace and uses 127.0.0.1; sandbox pods must never reach it. The advertised address
+# stays the bridge's, because the `kubernetes` Endpoints may not hold a loopback address.
 start kube-apiserver "$K8S_BIN/kube-apiserver" \
   --etcd-servers "http://127.0.0.1:$ETCD_CLIENT_PORT" \
-  --bind-address 0.0.0.0 --secure-port "$APISERVER_PORT" --advertise-address "$BRIDGE_IP" \
+  --bind-address 127.0.0.1 --secure-port "$APISERVER_PORT" --advertise-address "$BRIDGE_IP" \
   --tls-cert-file "$PKI/apiserver.crt" --tls-private-key-file "$PKI/apiserver.key" \
   --client-ca-file "$PKI/ca.crt" \
   --kubelet-client-certificate "$PKI/apiserver-kubelet-client.crt" \

@@ -9,6 +9,7 @@ from sqlalchemy import select
 
 from broker.errors import SandmanError
 from broker.ledger.models import Leak
+from broker.names import LeakKind
 from broker.ownership import leaks as leakops
 from web import params, stats
 from web.views import actor, live_args, root, wants_fragment
@@ -29,7 +30,7 @@ class LeakFilter(NamedTuple):
         """Raises ``params.ParamError`` (HTTP 400) on a value the list cannot use."""
         return cls(
             params.choice(args, "status", ("open", "resolved", "all"), "open"),
-            params.text(args, "kind", 32),
+            params.choice(args, "kind", ("", *LeakKind), ""),
             params.integer(args, "before", 1, params.MAX_BIGINT),
         )
 
