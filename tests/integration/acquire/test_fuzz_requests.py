@@ -216,3 +216,23 @@ def test_fuzzed_messages_never_create_anything_for_an_invalid_request(env, field
     payload = mailbox.parse(got[1])
     assert "error" in payload and payload["error"]["type"] in ("InvalidRequest", "UnknownJob")
     assert _snapshot(env) == before
+
+
+def test_an_overlong_base_commit_is_refused_without_leaking_sql_or_secrets(env):
+    """A 65-character base_commit for a real job used to reach the INSERT, fail on the
+    64-character column, and answer the trainer with the statement, its parameters and the
+    new sandbox's nonce. Now the constructor refuses it before any row or lock exists."""
+    _settings, _sessions, svc, r, _client, _backend = env
+    now = time.time()
+    message = {"enqueued_at": now, "deadline": now + 30, **_request(base_commit="c" * 65)}
+    before = _snapshot(env)
+    svc.acquire_and_deliver(message)
+    got = r.blpop([mailbox.result_key(message["request_id"])], timeout=5)
+    assert got is not None, "no answer in the trainer's mailbox"
+    raw = got[1].decode() if isinstance(got[1], bytes) else str(got[1])
+    payload = mailbox.parse(got[1])
+    assert payload["error"]["type"] == "InvalidRequest", payload
+    assert "base_commit" in payload["error"]["message"]
+    for leak in ("INSERT", "nonce", "token", "sandboxes", "[SQL"):
+        assert leak.lower() not in raw.lower(), raw
+    assert _snapshot(env) == before
