@@ -65,7 +65,10 @@ def error_payload(exc: BaseException, request_id: str = "") -> dict[str, Any]:
     else:
         code, kind = "infrastructure_error", "InfrastructureError"
         message = f"internal broker error for request {request_id or '?'}: see the worker log"
-    return {"error": {"code": code, "message": message, "type": kind}}
+    error: dict[str, Any] = {"code": code, "message": message, "type": kind}
+    if isinstance(exc, InvalidRequest) and exc.field is not None:
+        error["field"] = exc.field  # the trainer's InvalidRequest names the field too
+    return {"error": error}
 
 
 def typed(exc: BaseException) -> BaseException:

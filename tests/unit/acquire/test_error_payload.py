@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from broker.acquire.service import error_payload
-from broker.errors import CreateFailed, InfrastructureError
+from broker.errors import CreateFailed, InfrastructureError, InvalidRequest
 from broker.ledger.db import make_engine
 from broker.wire.errors import raise_payload_error
 
@@ -37,3 +37,10 @@ def test_the_engine_keeps_bound_parameters_out_of_error_text() -> None:
     engine = make_engine("postgresql+psycopg://u:p@127.0.0.1:1/x")
     assert engine.hide_parameters
     engine.dispose()
+
+
+def test_a_worker_side_invalid_request_names_its_field_in_the_trainer() -> None:
+    payload = error_payload(InvalidRequest("base_commit too long", field="base_commit"))
+    with pytest.raises(InvalidRequest) as info:
+        raise_payload_error(payload)
+    assert info.value.field == "base_commit"
