@@ -55,18 +55,40 @@ log = logging.getLogger(__name__)
 CAP_POLL_S = 0.1  # how often a queued acquire re-asks for room under its job's live cap
 
 
-def error_payload(exc: BaseException) -> dict[str, Any]:
+def error_payload(exc: BaseException, request_id: str = "") -> dict[str, Any]:
+    """The trainer's copy of a failure: a typed error's own message, and for anything
+    untyped only a generic one. The text of an untyped error (a database error quotes
+    its SQL statement) stays in the worker log, which the caller writes."""
     exc = typed(exc)
-    code = exc.code if isinstance(exc, SandmanError) else "infrastructure_error"
-    return {"error": {"code": code, "message": str(exc)[:2000], "type": type(exc).__name__}}
+    if isinstance(exc, SandmanError):
+        code, message, kind = exc.code, str(exc)[:2000], type(exc).__name__
+    else:
+        code, kind = "infrastructure_error", "InfrastructureError"
+        message = f"internal broker error for request {request_id or '?'}: see the worker log"
+    error: dict[str, Any] = {"code": code, "message": message, "type": kind}
+    if isinstance(exc, InvalidRequest) and exc.field is not None:
+        error["field"] = exc.field  # the trainer's InvalidRequest names the field too
+    return {"error": error}
 
 
 def typed(exc: BaseException) -> BaseException:
     """PostgreSQL or Redis unreachable becomes ServiceUnavailable (a TemporaryError, so
-    Celery's autoretry applies to it); anything else is returned as it is."""
+    Celery's autoretry applies to it); anything else is returned as it is. The message
+    names the service and the driver's error class, never the statement it was running."""
     if _service_down(exc):
-        return ServiceUnavailable(f"{type(exc).__name__}: {str(exc)[:500]}")
+        return ServiceUnavailable(f"{_service_name(exc)} unavailable ({_cause_name(exc)})")
     return exc
+
+
+def _service_name(exc: BaseException) -> str:
+    from sqlalchemy.exc import DBAPIError
+
+    return "PostgreSQL" if isinstance(exc, DBAPIError) else "Redis"
+
+
+def _cause_name(exc: BaseException) -> str:
+    orig = getattr(exc, "orig", None)
+    return type(orig if orig is not None else exc).__name__
 
 
 @contextmanager
@@ -127,7 +149,7 @@ class Broker:
         except Exception as exc:
             if not isinstance(exc, SandmanError):
                 log.exception("acquire %s failed unexpectedly", rid)
-            payload = error_payload(exc)
+            payload = error_payload(exc, rid)
         if not mailbox.deliver(self.redis, rid, payload) and lease is not None:
             self.provider.release(lease.sandbox_id, actor=self.actor, reason="caller-gave-up")
             return {"cancelled": True, "sandbox_id": lease.sandbox_id}

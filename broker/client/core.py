@@ -104,7 +104,6 @@ def new_request(owner: str, **kwargs: Any) -> dict[str, Any]:
     if missing:
         raise InvalidRequest(f"missing acquire arguments: {sorted(missing)}")
     args = {**ACQUIRE_DEFAULTS, **kwargs}
-    args["timeout"] = float(args["timeout"])
     return request_body(owner=owner, **args)
 
 

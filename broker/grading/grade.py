@@ -82,12 +82,13 @@ def as_patch_bytes(patch: bytes | str | ExtractedPatch | None) -> bytes:
 def apply_script(task: TaskSpec, agent_patch: str, test_patch: str) -> str:
     q = shlex.quote
     restore = "\n".join(
-        f'if g cat-file -e "$B:{f}" 2>/dev/null; then g checkout -q "$B" -- {q(f)} || exit 30; '
+        f'if g cat-file -e "$B":{q(f)} 2>/dev/null; then g checkout -q "$B" -- {q(f)} || exit 30; '
         f"else rm -rf -- {q(f)}; fi"
         for f in task.test_files
     )
     return f"""
-cd {q(task.repo_path)} || {{ echo "no repository at {task.repo_path}" >&2; exit 10; }}
+R={q(task.repo_path)}
+cd "$R" || {{ echo "no repository at $R" >&2; exit 10; }}
 B={q(task.base_commit)}
 g() {{ git -c core.hooksPath=/dev/null -c core.fsmonitor=false -c safe.directory='*' "$@"; }}
 head=$(g rev-parse --verify -q 'HEAD^{{commit}}')

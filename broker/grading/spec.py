@@ -27,6 +27,11 @@ yaml: Any = importlib.import_module("yaml")  # PyYAML (untyped)
 
 DEFAULT_REPO_PATH = "/testbed"  # where SWE-bench images keep the repository
 DEFAULT_EXCLUDES = ("**/conftest.py",)  # pytest loads these: an agent must not add them
+# repo_path reaches shell scripts in the sandbox (quoted there too) and is the sandbox's
+# workdir: a conservative character set means no quoting mistake anywhere can turn it into
+# a command, and no NUL or line break can forge a log line. The schema carries the same
+# set, but JSON Schema's ``$`` also matches before a final newline, hence fullmatch here.
+_SAFE_REPO_PATH = re.compile(r"/[A-Za-z0-9._+@%=,:/-]*")
 
 
 class TaskSpecError(InvalidRequest):
@@ -170,6 +175,7 @@ class _Parser:
         ref_key = "reference_patch" if "reference_patch" in d else "patch"
         reference = self.patch(ref_key)
         test_files = self.test_files(test_patch)
+        repo_path = self.repo_path()
         conditions = self.conditions()
         if self.issues:
             return None
@@ -180,7 +186,7 @@ class _Parser:
             base_commit=d["base_commit"],
             base_tree=d.get("base_tree"),
             repo=d.get("repo"),
-            repo_path=str(PurePosixPath(d.get("repo_path", DEFAULT_REPO_PATH))),
+            repo_path=repo_path,
             test_command=d["test_command"],
             test_runner=d.get("test_runner", "auto"),
             fail_to_pass=tuple(f2p),
@@ -192,6 +198,21 @@ class _Parser:
             conditions=conditions,
             source=source,
         )
+
+    def repo_path(self) -> str:
+        """Absolute, normalised and from the safe set (see ``_SAFE_REPO_PATH``)."""
+        value = self.doc.get("repo_path", DEFAULT_REPO_PATH)
+        if not isinstance(value, str) or any(i.path == "$.repo_path" for i in self.issues):
+            return DEFAULT_REPO_PATH  # the schema already said what is wrong
+        if not _SAFE_REPO_PATH.fullmatch(value):
+            self.err(
+                "$.repo_path",
+                f"{value[:80]!r} must be an absolute path of letters, digits and ._+@%=,:/- "
+                "(no spaces, quotes, shell metacharacters, NUL or line breaks)",
+            )
+        elif {".", ".."} & set(value.split("/")):
+            self.err("$.repo_path", f"{value[:80]!r} must be normalised (no . or .. parts)")
+        return str(PurePosixPath(value))
 
     def image(self) -> tuple[str, str | None]:
         image = self.doc.get("image")
@@ -258,8 +279,11 @@ class _Parser:
         if declared is None and not test_patch:
             self.err("$.test_files", "declare test_files or a test_patch (tests must be known)")
         for i, name in enumerate(files):
+            if not isinstance(name, str) or any(c in name for c in "\x00\r\n"):
+                self.err(f"$.test_files[{i}]", f"{name!r} must be a path without NUL or newline")
+                continue
             parts = PurePosixPath(name).parts
-            if not isinstance(name, str) or ".." in parts or name.startswith("/"):
+            if ".." in parts or name.startswith("/"):
                 self.err(f"$.test_files[{i}]", f"{name!r} must be a relative path inside the repo")
             elif parts and parts[0] == ".git":
                 self.err(f"$.test_files[{i}]", "paths under .git are not test files")

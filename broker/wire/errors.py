@@ -28,4 +28,8 @@ def raise_payload_error(payload: dict[str, Any]) -> None:
     """Re-raise a worker-side error as the same typed exception in the trainer."""
     error = payload.get("error") or {}
     cls = _error_classes().get(str(error.get("code")), errors.InfrastructureError)
-    raise cls(str(error.get("message") or error.get("code")))
+    message = str(error.get("message") or error.get("code"))
+    field = error.get("field")
+    if issubclass(cls, errors.InvalidRequest) and isinstance(field, str):
+        raise cls(message, field=field)
+    raise cls(message)

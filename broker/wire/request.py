@@ -14,6 +14,7 @@ learns which argument was wrong, and nothing was enqueued or written for it.
 from __future__ import annotations
 
 import datetime as dt
+import math
 import time
 import uuid
 from collections.abc import Mapping
@@ -64,10 +65,12 @@ class AcquireRequest:
             raise InvalidRequest(f"role must be a Role, not {self.role!r}", field="role")
         v.check_request_id(self.request_id)
         v.check_digest(self.image_digest)
-        v.check_text("base_commit", self.base_commit, optional=True, max_len=256)
+        # Lengths are the ledger's column sizes (broker/ledger/models.py): a longer value
+        # would fail at INSERT, after the pacer slot and the port lock were taken.
+        v.check_text("base_commit", self.base_commit, optional=True, max_len=64)
         v.check_workdir(self.workdir)
         object.__setattr__(self, "env", v.check_env(self.env))
-        v.check_text("owner", self.owner, optional=True, max_len=256)
+        v.check_text("owner", self.owner, optional=True, max_len=128)
         v.check_time("enqueued_at", self.enqueued_at)
         if self.deadline is not None:
             v.check_time("deadline", self.deadline)
@@ -97,6 +100,7 @@ class AcquireRequest:
         if (
             isinstance(timeout, bool)
             or not isinstance(timeout, int | float)
+            or not math.isfinite(timeout)
             or not 0 < timeout <= MAX_TIMEOUT_S
         ):
             raise InvalidRequest(
@@ -114,7 +118,7 @@ class AcquireRequest:
             image_digest=image_digest,
             base_commit=base_commit,
             workdir=workdir,
-            env=dict(env or {}),
+            env={} if env is None else env,
             owner=owner,
             enqueued_at=now,
             deadline=now + timeout,
@@ -140,7 +144,7 @@ class AcquireRequest:
             image_digest=data.get("image_digest"),
             base_commit=data.get("base_commit"),
             workdir=data.get("workdir") or "/",
-            env=data.get("env") or {},
+            env={} if data.get("env") is None else data["env"],
             owner=data.get("owner"),
             enqueued_at=time.time() if enqueued is None else enqueued,
             deadline=data.get("deadline"),

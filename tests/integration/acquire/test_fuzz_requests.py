@@ -106,6 +106,17 @@ BAD_CLIENT_ARGS = [
     {"timeout": -1},
     {"timeout": 10**9},
     {"role": "root"},
+    {"cpu": float("nan")},
+    {"cpu": float("inf")},
+    {"timeout": "5"},
+    {"timeout": None},
+    {"image_digest": 1},
+    {"base_commit": 1},
+    {"base_commit": "c" * 65},
+    {"env": "abc"},
+    {"env": {"SANDMAN_EXECD_TOKEN": "x"}},
+    {"env": {"LD_PRELOAD": "/tmp/x.so"}},
+    {"workdir": "/repo\x00"},
 ]
 
 
@@ -150,6 +161,14 @@ BAD_MESSAGES = [
     _request(request_id="r-1\n"),
     _request(image="python:3.12\n"),
     _request(image_digest="sha256:" + "a" * 64 + "\n"),
+    _request(workdir="/repo\x00"),
+    _request(base_commit="c" * 65),
+    _request(owner="o" * 129),
+    _request(env={"SANDMAN_EXECD_TOKEN": "chosen-by-the-caller"}),
+    _request(env={"LD_PRELOAD": "/tmp/x.so"}),
+    _request(env={"PYTHONPATH": "/tmp"}),
+    _request(env={f"V{i}": "x" for i in range(500)}),
+    _request(deadline=float("nan")),
 ]
 
 
@@ -215,4 +234,25 @@ def test_fuzzed_messages_never_create_anything_for_an_invalid_request(env, field
     assert got is not None
     payload = mailbox.parse(got[1])
     assert "error" in payload and payload["error"]["type"] in ("InvalidRequest", "UnknownJob")
+    assert _snapshot(env) == before
+
+
+def test_an_overlong_base_commit_is_refused_without_leaking_sql_or_secrets(env):
+    """A 65-character base_commit for a real job used to reach the INSERT, fail on the
+    64-character column, and answer the trainer with the statement, its parameters and the
+    new sandbox's nonce. Now the constructor refuses it before any row or lock exists."""
+    _settings, _sessions, svc, r, _client, _backend = env
+    now = time.time()
+    message = {"enqueued_at": now, "deadline": now + 30, **_request(base_commit="c" * 65)}
+    before = _snapshot(env)
+    svc.acquire_and_deliver(message)
+    got = r.blpop([mailbox.result_key(message["request_id"])], timeout=5)
+    assert got is not None, "no answer in the trainer's mailbox"
+    raw = got[1].decode() if isinstance(got[1], bytes) else str(got[1])
+    payload = mailbox.parse(got[1])
+    assert payload["error"]["type"] == "InvalidRequest", payload
+    assert "base_commit" in payload["error"]["message"]
+    assert payload["error"]["field"] == "base_commit"
+    for leak in ("INSERT", "nonce", "token", "sandboxes", "[SQL"):
+        assert leak.lower() not in raw.lower(), raw
     assert _snapshot(env) == before

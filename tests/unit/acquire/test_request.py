@@ -149,3 +149,82 @@ def test_direct_construction_is_checked_too() -> None:
     with pytest.raises(InvalidRequest) as info:
         AcquireRequest(job="j", image="python:3.12", cpu_m=0)
     assert info.value.field == "cpu_m"
+
+
+# Every bad argument a trainer can pass, with the field the error must name. Each of these
+# used to escape as a raw ValueError/TypeError/OverflowError, or be accepted (issue 20
+# item 10): only a typed InvalidRequest naming the field tells the trainer what to fix.
+BAD_ARGUMENTS: list[tuple[dict[str, Any], str]] = [
+    ({"cpu": float("nan")}, "cpu"),
+    ({"cpu": float("inf")}, "cpu"),
+    ({"cpu": float("-inf")}, "cpu"),
+    ({"cpu": 1e308}, "cpu"),
+    ({"cpu": "1" * 400}, "cpu"),
+    ({"cpu": ["1"]}, "cpu"),
+    ({"memory": "9" * 5000}, "memory"),
+    ({"memory": {"x": 1}}, "memory"),
+    ({"timeout": "5"}, "timeout"),
+    ({"timeout": None}, "timeout"),
+    ({"timeout": float("nan")}, "timeout"),
+    ({"timeout": float("inf")}, "timeout"),
+    ({"image_digest": 1}, "image_digest"),
+    ({"base_commit": 1}, "base_commit"),
+    ({"base_commit": "a" * 65}, "base_commit"),
+    ({"base_commit": "abc\x00"}, "base_commit"),
+    ({"env": "abc"}, "env"),
+    ({"env": [("A", "1")]}, "env"),
+    ({"env": {"A": 1}}, "env"),
+    ({"env": {"A": "x\x00"}}, "env"),
+    ({"env": {"A": "x" * (64 * 1024)}}, "env"),
+    ({"env": {f"V{i}": "x" for i in range(500)}}, "env"),
+    ({"env": {f"V{i}": "x" * 30_000 for i in range(10)}}, "env"),
+    ({"env": {"SANDMAN_EXECD_TOKEN": "mine"}}, "env"),
+    ({"env": {"SANDMAN_ANYTHING": "1"}}, "env"),
+    ({"env": {"LD_PRELOAD": "/tmp/x.so"}}, "env"),
+    ({"env": {"LD_LIBRARY_PATH": "/tmp"}}, "env"),
+    ({"env": {"PYTHONPATH": "/tmp"}}, "env"),
+    ({"env": {"PYTHONHOME": "/tmp"}}, "env"),
+    ({"env": {"BASH_ENV": "/tmp/rc"}}, "env"),
+    ({"env": {"ENV": "/tmp/rc"}}, "env"),
+    ({"workdir": "/repo\x00"}, "workdir"),
+    ({"workdir": "/repo\n"}, "workdir"),
+    ({"workdir": "/" + "a" * 5000}, "workdir"),
+    ({"workdir": 1}, "workdir"),
+    ({"job": 1}, "job"),
+    ({"image": 1}, "image"),
+    ({"role": None}, "role"),
+]
+
+
+@pytest.mark.parametrize("bad,field", BAD_ARGUMENTS, ids=lambda x: repr(x)[:40])
+def test_every_bad_client_argument_is_a_typed_error_naming_its_field(
+    bad: dict[str, Any], field: str
+) -> None:
+    """Through the client's own argument handling (what ``SandboxClient.open`` calls
+    before anything is sent), so the client's conversions are covered too."""
+    from broker.client import core
+
+    args: dict[str, Any] = {"image": "python:3.12", "job": "j", **bad}
+    with pytest.raises(InvalidRequest) as info:
+        core.new_request("owner", **args)
+    assert info.value.field == field
+
+
+@pytest.mark.parametrize("bad,field", BAD_ARGUMENTS, ids=lambda x: repr(x)[:40])
+def test_every_bad_argument_is_refused_by_the_constructor_too(
+    bad: dict[str, Any], field: str
+) -> None:
+    args: dict[str, Any] = {"image": "python:3.12", "job": "j", **bad}
+    with pytest.raises(InvalidRequest) as info:
+        AcquireRequest.new(**args)
+    assert info.value.field == field
+
+
+def test_ordinary_env_names_and_a_64_char_commit_are_still_accepted() -> None:
+    request = AcquireRequest.new(
+        image="python:3.12",
+        job="j",
+        base_commit="a" * 64,
+        env={"PYTHONHASHSEED": "0", "TZ": "UTC", "LANG": "C.UTF-8", "MY_SANDMAN": "1"},
+    )
+    assert request.base_commit == "a" * 64 and request.env["MY_SANDMAN"] == "1"
