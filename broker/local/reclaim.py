@@ -199,7 +199,10 @@ def drain(
     left = set(marked_processes(settings.state_dir))
     if below_us:
         left.update(descendants(os.getpid()))
-    report.killed = kill_all(sorted(left))
+    # A zombie (a deleted sandbox its exited creator never waited for) is already dead:
+    # it is reaped below, not counted as a survivor.
+    report.killed = kill_all(sorted(pid for pid in left if _exists(pid)))
+    reap_orphans(())
     deadline = time.monotonic() + 5.0
     while time.monotonic() < deadline and any(_exists(p) for p in report.killed):
         reap_orphans(())
