@@ -25,6 +25,7 @@ from urllib.parse import quote
 
 from broker.errors import ServiceUnavailable
 from broker.local.private import PRIVATE_UMASK, private_dir, tighten, write_private
+from broker.local.procs import pid_alive
 from broker.settings import Settings
 from broker.wire.services import (
     Service,
@@ -124,18 +125,6 @@ def _port_for(settings: Settings, service: Service, running: int | None) -> int:
     if port != recorded:
         _record(settings, ports={service: port})
     return port
-
-
-def _pid_alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _running_elsewhere(what: str, running: int | None, port: int) -> None:
@@ -257,7 +246,7 @@ def _pg_running_port(data: Path) -> int | None:
         pid, port = int(lines[0]), int(lines[3])
     except (OSError, ValueError, IndexError):
         return None
-    return port if _pid_alive(pid) else None
+    return port if pid_alive(pid) else None
 
 
 def ensure_postgres(settings: Settings) -> str:
@@ -397,7 +386,7 @@ def _redis_running_port(root: Path) -> int | None:
     except (OSError, ValueError):
         return None
     ports = [int(line.split()[1]) for line in conf if line.startswith("port ")]
-    return ports[0] if ports and _pid_alive(pid) else None
+    return ports[0] if ports and pid_alive(pid) else None
 
 
 def ensure_redis(settings: Settings) -> str:

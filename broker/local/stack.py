@@ -30,6 +30,7 @@ from broker.errors import ServiceUnavailable
 from broker.ledger.migrate import upgrade
 from broker.local import reclaim
 from broker.local.private import PRIVATE_UMASK, private_dir
+from broker.local.procs import pid_alive
 from broker.local.services import ensure_services
 from broker.names import Queue
 from broker.settings import Settings
@@ -313,12 +314,4 @@ def running_stack(settings: Settings) -> bool:
         pid = int(json.loads(marker.read_text())["pid"])
     except (OSError, ValueError, KeyError, TypeError):
         return False
-    if pid == os.getpid():
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return pid != os.getpid() and pid_alive(pid)
