@@ -19,8 +19,10 @@ from broker.errors import AcquireTimeout, InfrastructureError, UnknownJob
 from broker.ledger import store
 from broker.ledger.models import Event, Sandbox
 from broker.ledger.states import State
+from broker.names import Queue, Task
 from broker.pools.store import WarmStore, pool_key
 from broker.settings import Settings
+from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.integration
 IMAGE = "sandman/test-task:1"
@@ -200,11 +202,8 @@ def test_warm_pool_hit_miss_replacement_and_idle_expiry(
     )
     key = pool_key(IMAGE, None, None, cpu_m, mem)
     warm = WarmStore(client.redis)
-    client.send("sandman.pool_upkeep", [], "pool")
-    deadline = time.monotonic() + 30
-    while warm.size(job, key) < 2:
-        assert time.monotonic() < deadline, "pool never filled"
-        time.sleep(0.05)
+    client.send(Task.POOL_UPKEEP, [], Queue.POOL)
+    wait_until(lambda: warm.size(job, key) >= 2, timeout=30, interval=0.05, what="pool filled")
     first_ids = set()
     with sessions() as session:
         first_ids = {
@@ -213,23 +212,20 @@ def test_warm_pool_hit_miss_replacement_and_idle_expiry(
                 select(Sandbox).where(Sandbox.job == job, Sandbox.state == State.READY)
             )
         }
-    # hit: no Kubernetes, no queue on the path
-    t0 = time.perf_counter()
+    # hit: one of the pool's own pods, claimed from Redis (no create, no queue on the path;
+    # its latency is measured by bench/broker_bench.py, not bounded here)
     with client.acquire(image=IMAGE, cpu="300m", memory=mem, job=job, timeout=10) as sb:
-        hit_s = time.perf_counter() - t0
         assert sb.lease.warm and sb.id in first_ids
         assert sb.exec("echo warm").stdout == "warm\n"
         handed = _wait_owned(sessions, sb.id)
         assert handed.owner == "pytest" and handed.acquire_latency_s is not None
-    assert hit_s < 0.5
     # miss: other resources -> a cold create
     with client.acquire(image=IMAGE, cpu="200m", memory=mem, job=job, timeout=30) as cold:
         assert not cold.lease.warm
     # replacement: the hand-out triggered a paced refill back to size 2
-    deadline = time.monotonic() + 30
-    while warm.size(job, key) < 2:
-        assert time.monotonic() < deadline, "no replacement after the hand-out"
-        time.sleep(0.05)
+    wait_until(
+        lambda: warm.size(job, key) >= 2, timeout=30, interval=0.05, what="replacement refill"
+    )
     # idle expiry: after idle_timeout_s the never-used pods are deleted (and replaced)
     with sessions() as session:
         idle_ids = [
