@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import statistics
 import time
+import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -49,16 +50,20 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
-def rollout(client: Any, commands: int, tally: Tally) -> None:
-    """One synthetic rollout: a file, edits, reads and commands that check each other."""
+def rollout(client: Any, commands: int, tally: Tally, job: str = DEMO_JOB) -> None:
+    """One synthetic rollout: a file, edits, reads and commands that check each other.
+
+    Its marker file makes a shared sandbox visible at once: a rollout that finds any
+    other rollout's marker in its workspace has observed state it did not make.
+    """
     path, version = "/workspace/task.py", 0
+    marker = f"/workspace/.rollout-{uuid.uuid4().hex}"
     try:
-        with client.acquire(
-            image=DEMO_IMAGE, cpu=CPU, memory=MEMORY, job=DEMO_JOB, timeout=90
-        ) as sb:
+        with client.acquire(image=DEMO_IMAGE, cpu=CPU, memory=MEMORY, job=job, timeout=90) as sb:
             tally.acquire_s.append(sb.acquire_s)
             tally.warm += int(sb.lease.warm)
             (tally.warm_s if sb.lease.warm else tally.cold_s).append(sb.acquire_s)
+            sb.write_file(marker, "")
             sb.write_file(path, "def answer():\n    return 0\n")
             for step in range(commands):
                 started = time.perf_counter()
@@ -73,6 +78,10 @@ def rollout(client: Any, commands: int, tally: Tally) -> None:
                     ok = res.exit_code == 0 and res.stdout.strip() == str(version)
                 tally.exec_s.append(time.perf_counter() - started)
                 tally.failed_steps += int(not ok)
+            markers = sb.exec("ls -a /workspace | grep '^.rollout-'", timeout=30).stdout.split()
+            if markers != [marker.rsplit("/", 1)[1]]:
+                tally.failed_steps += 1
+                tally.errors.append(f"shared workspace: markers {markers}")
     except InfrastructureError:
         tally.masked += 1
     except SandmanError as exc:

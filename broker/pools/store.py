@@ -11,6 +11,7 @@ sandboxes idle past the pool's ``idle_timeout_s`` (default 300 s, the paper's se
 
 from __future__ import annotations
 
+import enum
 import json
 import uuid
 from dataclasses import dataclass
@@ -23,11 +24,41 @@ from broker.wire.types import Lease
 from broker.wire.validation import parse_cpu, parse_memory, validate_image
 from broker.wire.warm import CLAIM_LUA, claim_call, claimed_lease, pool_key, pool_keys
 
-__all__ = ["PREFIX", "PoolConfig", "WarmStore", "parse_pools", "pool_key"]
+__all__ = ["PREFIX", "PoolConfig", "Republished", "WarmStore", "parse_pools", "pool_key"]
 
 PREFIX = names.WARM_PREFIX
 # The fields a pool member's request copies from its pool's config.
 _MEMBER_FIELDS = ("image", "image_digest", "base_commit", "cpu_m", "memory_b")
+
+# The upkeep's two decisions about a published member are atomic against the claim: a
+# claim landing between "is it claimed?" and "is it published?" used to make upkeep
+# re-publish a sandbox a trainer had just taken, and a second trainer then claimed the
+# same sandbox (two rollouts in one workspace, #20 item 13); or upkeep released, as
+# idle, a member claimed a moment before. KEYS: id list, lease hash, claimed key.
+# REPUBLISH ARGV: id, lease. Answers 0 claimed, 1 re-published, 2 already published.
+REPUBLISH_LUA = """
+if redis.call('EXISTS', KEYS[3]) == 1 then return 0 end
+if redis.call('HEXISTS', KEYS[2], ARGV[1]) == 1 then return 2 end
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
+redis.call('LREM', KEYS[1], 0, ARGV[1])
+redis.call('LPUSH', KEYS[1], ARGV[1])
+return 1
+"""
+# RETIRE ARGV: id. Takes an unclaimed member out of circulation; 0 if it is claimed.
+RETIRE_LUA = """
+if redis.call('EXISTS', KEYS[3]) == 1 then return 0 end
+redis.call('HDEL', KEYS[2], ARGV[1])
+redis.call('LREM', KEYS[1], 0, ARGV[1])
+return 1
+"""
+
+
+class Republished(enum.IntEnum):
+    """What ``WarmStore.republish`` found: the answers of ``REPUBLISH_LUA``."""
+
+    CLAIMED = 0
+    REPUBLISHED = 1
+    PUBLISHED = 2
 
 
 @dataclass(frozen=True)
@@ -93,6 +124,8 @@ class WarmStore:
     def __init__(self, redis: Any) -> None:
         self.redis = redis
         self._claim = redis.register_script(CLAIM_LUA)
+        self._republish = redis.register_script(REPUBLISH_LUA)
+        self._retire = redis.register_script(RETIRE_LUA)
 
     def publish(self, job: str, key: str, lease: Lease) -> None:
         ids, leases = self._keys(job, key)
@@ -115,11 +148,19 @@ class WarmStore:
         self.redis.lrem(ids, 0, sandbox_id)
         return taken
 
+    def republish(self, job: str, key: str, lease: Lease) -> Republished:
+        """Offer again a member Redis lost, unless a trainer has claimed it meanwhile."""
+        keys = [*self._keys(job, key), names.warm_claimed_key(lease.sandbox_id)]
+        args = [lease.sandbox_id, json.dumps(lease.to_dict())]
+        return Republished(int(self._republish(keys=keys, args=args)))
+
+    def retire(self, job: str, key: str, sandbox_id: str) -> bool:
+        """Withdraw a member to delete it; False when a trainer has claimed it (keep it)."""
+        keys = [*self._keys(job, key), names.warm_claimed_key(sandbox_id)]
+        return bool(self._retire(keys=keys, args=[sandbox_id]))
+
     def is_published(self, job: str, key: str, sandbox_id: str) -> bool:
         return bool(self.redis.hexists(self._keys(job, key)[1], sandbox_id))
-
-    def is_claimed(self, sandbox_id: str) -> bool:
-        return bool(self.redis.exists(names.warm_claimed_key(sandbox_id)))
 
     def size(self, job: str, key: str) -> int:
         return int(self.redis.hlen(self._keys(job, key)[1]))

@@ -24,7 +24,7 @@ from broker.ledger.models import Job, Sandbox, utcnow
 from broker.ledger.states import State
 from broker.names import Task
 from broker.ownership.provider import Provider
-from broker.pools.store import PoolConfig, WarmStore, parse_pools
+from broker.pools.store import PoolConfig, Republished, WarmStore, parse_pools
 from broker.settings import Settings
 from broker.wire.types import Lease
 
@@ -122,21 +122,26 @@ class PoolUpkeep:
         now: dt.datetime,
         counts: dict[str, int],
     ) -> list[Sandbox]:
-        """Release members idle too long, republish any Redis lost; the rest, oldest first."""
+        """Release members idle too long, republish any Redis lost; the rest, oldest first.
+
+        A member claimed by a trainer and not yet handed out in the ledger is skipped:
+        each decision is one atomic Redis call against the claim (``WarmStore.retire``,
+        ``WarmStore.republish``), never a check followed by an act.
+        """
         live: list[Sandbox] = []
         ready = (r for r in mine if r.state == State.READY)
         for row in sorted(ready, key=lambda r: r.last_used_at or r.ready_at or now):
-            if self.warm.is_claimed(row.id):
-                continue  # being handed out right now
             since = row.last_used_at or row.ready_at or now
             if (now - since).total_seconds() > idle_s:
-                self.warm.withdraw(job_name, key, row.id)
-                self._release(row.id, "warm-idle")
-                counts["idle"] += 1
+                if self.warm.retire(job_name, key, row.id):
+                    self._release(row.id, "warm-idle")
+                    counts["idle"] += 1
                 continue
-            if not self.warm.is_published(job_name, key, row.id):
-                self.publish(row.id, self.provider.token_for(row))
-                counts["republished"] += 1
+            lease = Lease.from_row(row, self.provider.token_for(row))
+            outcome = self.warm.republish(job_name, key, lease)
+            if outcome is Republished.CLAIMED:
+                continue  # being handed out right now
+            counts["republished"] += int(outcome is Republished.REPUBLISHED)
             live.append(row)
         return live
 
