@@ -70,6 +70,10 @@ LABEL_SANDBOX = "sandman.io/sandbox"
 LABEL_NONCE = "sandman.io/nonce"
 LABEL_ROLE = "sandman.io/role"
 LABEL_EGRESS = "sandman.io/egress"  # "denied" when the job denies egress
+# On a namespace: its pods may call sandboxes' execd (the broker's own namespace and the
+# trainers'). Every other pod, other sandboxes included, is refused by the ingress guard.
+LABEL_EXECD_ACCESS = "sandman.io/execd-access"
+EXECD_ACCESS_ALLOWED = "allowed"
 LABEL_NODE_KIND = "sandman.io/node-kind"  # "real" on the local cluster's kubelet node
 MANAGED_BY = "app.kubernetes.io/managed-by"
 

@@ -34,10 +34,45 @@ KWOK_NODE_SELECTOR = kwok.KWOK_SELECTOR
 KWOK_TOLERATION = kwok.KWOK_TOLERATION
 
 
+POLICY_ENGINE = "kube-network-policies"
+
+
 def _unavailable(message: str) -> None:
     if IN_CI:
         pytest.fail(message)
     pytest.skip(message)
+
+
+def cluster_state_dir() -> Path:
+    """Where up.sh keeps the local cluster's state (pid files, lock) for this state dir."""
+    base = os.environ.get("SANDMAN_STATE_DIR") or Path.home() / ".local" / "state" / "sandman"
+    return Path(base) / "cluster"
+
+
+def policy_engine_pid() -> int | None:
+    """The NetworkPolicy engine's PID from up.sh's pid file, if it still runs that binary."""
+    try:
+        pid_s, exe = (cluster_state_dir() / "pids" / f"{POLICY_ENGINE}.pid").read_text().split()
+        pid = int(pid_s)
+        if Path(f"/proc/{pid}/exe").resolve() == Path(exe).resolve():
+            return pid
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+@pytest.fixture(scope="module")
+def enforcing_kube(kubeconfig_path: str) -> Iterator[Any]:
+    """The broker's Kube facade on a cluster whose NetworkPolicies are enforced."""
+    from broker.backends.kube.api import Kube, load_api_client
+
+    if os.environ.get("SANDMAN_TEST_KUBECONFIG"):
+        _unavailable("NetworkPolicy enforcement tests need the local cluster's policy engine")
+    if policy_engine_pid() is None:
+        _unavailable(f"{POLICY_ENGINE} is not running (deploy/localcluster/up.sh starts it)")
+    api = load_api_client(kubeconfig_path, qps_pool=4)
+    yield Kube(api)
+    api.close()  # type: ignore[no-untyped-call]
 
 
 @pytest.fixture(scope="session")

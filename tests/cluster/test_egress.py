@@ -16,46 +16,32 @@ import signal
 import subprocess
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from broker.backends.kube.api import Kube, load_api_client
+from broker.backends.kube.api import Kube
 from broker.backends.kube.egress_probe import EgressVerdict, format_result, probe_egress
-from tests.cluster.conftest import REAL_NODE_SELECTOR, TASK_BASE_IMAGE, UP_SCRIPT, _unavailable
+from tests.cluster.conftest import (
+    POLICY_ENGINE,
+    REAL_NODE_SELECTOR,
+    TASK_BASE_IMAGE,
+    UP_SCRIPT,
+    cluster_state_dir,
+    policy_engine_pid,
+)
 
 pytestmark = pytest.mark.cluster
 
-STATE = (
-    Path(os.environ.get("SANDMAN_STATE_DIR") or Path.home() / ".local" / "state" / "sandman")
-    / "cluster"
-)
-ENGINE = "kube-network-policies"
+STATE = cluster_state_dir()
+ENGINE = POLICY_ENGINE
 PROBE_INSTALLATION = "lc-test"
-
-
-def _engine_pid() -> int | None:
-    """The engine's PID from up.sh's pid file, if that PID still runs the recorded binary."""
-    try:
-        pid_s, exe = (STATE / "pids" / f"{ENGINE}.pid").read_text().split()
-        pid = int(pid_s)
-        if Path(f"/proc/{pid}/exe").resolve() == Path(exe).resolve():
-            return pid
-    except (OSError, ValueError):
-        pass
-    return None
+_engine_pid = policy_engine_pid
 
 
 @pytest.fixture(scope="module")
-def kube(kubeconfig_path: str) -> Iterator[Kube]:
-    if os.environ.get("SANDMAN_TEST_KUBECONFIG"):
-        _unavailable("egress enforcement tests need the local cluster's policy engine")
-    if _engine_pid() is None:
-        _unavailable(f"{ENGINE} is not running (deploy/localcluster/up.sh starts it)")
-    api = load_api_client(kubeconfig_path, qps_pool=4)
-    yield Kube(api)
-    api.close()  # type: ignore[no-untyped-call]
+def kube(enforcing_kube: Kube) -> Kube:
+    return enforcing_kube
 
 
 def _lock(lock: Any, timeout_s: float = 300) -> None:

@@ -94,6 +94,7 @@ class KubeBackend:
         self.port = execd_port
         self._owners: dict[tuple[str, str], str] = {}
         self._execd: dict[str, tuple[str, list[str]]] = {}
+        self._ingress: set[str] = set()  # namespaces whose ingress guard was seen or made
         self._watches: dict[str, PodWatch] = {}
         self._guards: dict[tuple[str, str], float] = {}  # verified until (monotonic)
         self._watch_lock = threading.Lock()
@@ -179,6 +180,21 @@ class KubeBackend:
         self._execd[namespace] = (name, sorted(files))
         return self._execd[namespace]
 
+    def _ensure_ingress_guard(self, namespace: str) -> None:
+        """The installation's ingress policy exists before its first pod (then cached).
+
+        Like the egress guard, the policy object alone proves nothing: an engine must
+        enforce it (tests/cluster/test_ingress.py checks that with real pods)."""
+        if namespace in self._ingress:
+            return
+        name = podspec.ingress_policy_name(self.installation)
+        if self.kube.get_object("networkpolicy", namespace, name) is None:
+            with contextlib.suppress(KubeConflict):
+                self.kube.create_object(
+                    "networkpolicy", namespace, podspec.ingress_policy(self.installation, self.port)
+                )
+        self._ingress.add(namespace)
+
     def ensure_job_owner(self, namespace: str, job: str) -> None:
         with self._in_namespace(namespace, "get/create configmaps"):
             self._owner_uid(namespace, job)
@@ -230,6 +246,8 @@ class KubeBackend:
     # -- pods --------------------------------------------------------------------------
 
     def create(self, spec: PodSpec) -> PodInfo:
+        with self._in_namespace(spec.namespace, "get/create networkpolicies"):
+            self._ensure_ingress_guard(spec.namespace)
         with self._in_namespace(spec.namespace, "get/create configmaps"):
             execd_name, keys = self._ensure_execd(spec.namespace)
             owner_uid = self._owner_uid(spec.namespace, spec.job)

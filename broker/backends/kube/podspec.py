@@ -17,6 +17,7 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
+from broker import names
 from broker.backends.base import (
     LABEL_EGRESS,
     LABEL_INSTALLATION,
@@ -105,6 +106,41 @@ def token_secret(spec: PodSpec, owner_uid: str) -> dict[str, Any]:
             "ownerReferences": [owner_reference(spec.job, owner_uid)],
         },
         "data": {TOKEN_KEY: base64.b64encode(spec.token.encode()).decode()},
+    }
+
+
+def ingress_policy_name(installation: str) -> str:
+    return f"sandman-ingress-{installation}"[:253]
+
+
+def ingress_policy(installation: str, port: int) -> dict[str, Any]:
+    """Only pods of namespaces labelled ``execd-access=allowed`` may reach a sandbox.
+
+    Why: execd's gate makes a token-less caller cheap, but a sandbox should not even
+    connect to another sandbox's execd (a rollout probing its neighbours), nor to any
+    other port a task opens. Selected: every sandbox pod of this installation, so
+    ingress is denied except this rule. Host-network callers (the kubelet's probes, a
+    broker outside the cluster) are not pods of a namespace; the local cluster's engine
+    never queues host traffic, as most CNIs allow node-to-pod probes.
+    """
+    access = {names.LABEL_EXECD_ACCESS: names.EXECD_ACCESS_ALLOWED}
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": {
+            "name": ingress_policy_name(installation),
+            "labels": {LABEL_INSTALLATION: installation, MANAGED_BY: "sandman-broker"},
+        },
+        "spec": {
+            "podSelector": {"matchLabels": {LABEL_INSTALLATION: installation}},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {
+                    "from": [{"namespaceSelector": {"matchLabels": access}}],
+                    "ports": [{"protocol": "TCP", "port": port}],
+                }
+            ],
+        },
     }
 
 

@@ -69,15 +69,22 @@ class _Kube:
     def __init__(self) -> None:
         self.pods: dict[str, dict[str, Any]] = {}
         self.secrets: dict[str, dict[str, Any]] = {}
+        self.policies: dict[str, dict[str, Any]] = {}
         self.calls: list[str] = []
 
     def get_object(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         if kind == "configmap":
             return {"metadata": {"name": name, "uid": "u-1"}}
+        if kind == "networkpolicy":
+            return self.policies.get(name)
         assert kind == "secret"
         return self.secrets.get(name)
 
     def create_object(self, kind: str, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
+        if kind == "networkpolicy":
+            self.calls.append("create_policy")
+            self.policies[body["metadata"]["name"]] = body
+            return body
         assert kind == "secret"
         self.calls.append("create_secret")
         name = body["metadata"]["name"]
@@ -118,7 +125,7 @@ def kube(monkeypatch: pytest.MonkeyPatch) -> tuple[KubeBackend, _Kube]:
 def test_create_makes_the_secret_before_the_pod_and_delete_removes_both(kube) -> None:
     backend, fake = kube
     backend.create(_spec())
-    assert fake.calls == ["create_secret", "create_pod"]
+    assert fake.calls == ["create_policy", "create_secret", "create_pod"]
     assert TOKEN not in json.dumps(fake.pods)
     fake.pods.clear()
     backend.create(_spec())
@@ -143,3 +150,20 @@ def test_delete_after_a_create_that_died_before_the_pod_removes_the_secret(kube)
     fake.create_object("secret", "ns", podspec.token_secret(_spec(), "u-1"))
     assert backend.delete("ns", "sm-pod", "n-1") is True
     assert fake.secrets == {}
+
+
+def test_the_ingress_guard_exists_before_the_first_pod_and_is_made_once(kube) -> None:
+    backend, fake = kube
+    backend.create(_spec())
+    fake.pods.clear()
+    fake.secrets.clear()
+    backend.create(_spec(nonce="n-2"))
+    assert fake.calls.count("create_policy") == 1
+    assert fake.calls.index("create_policy") < fake.calls.index("create_pod")
+    policy = fake.policies[podspec.ingress_policy_name("inst")]
+    assert policy["spec"]["podSelector"] == {"matchLabels": {"sandman.io/installation": "inst"}}
+    (rule,) = policy["spec"]["ingress"]
+    assert rule["ports"] == [{"protocol": "TCP", "port": 8080}]
+    assert rule["from"] == [
+        {"namespaceSelector": {"matchLabels": {"sandman.io/execd-access": "allowed"}}}
+    ]

@@ -51,3 +51,28 @@ def test_the_dev_overlay_commits_no_secret_key_and_every_workload_reads_the_gene
             if "sandman-secret-key" in refs:
                 readers.add(doc["metadata"]["name"])
     assert readers == WORKLOADS
+
+
+def test_only_the_broker_namespace_reaches_postgres_redis_and_execd() -> None:
+    """#20 items 5 and 12: sandbox pods reach neither the services nor other sandboxes."""
+    docs = _render("dev")
+    namespaces = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Namespace"}
+    labels = {name: ns["metadata"].get("labels", {}) for name, ns in namespaces.items()}
+    assert labels["sandman-system"].get("sandman.io/execd-access") == "allowed"
+    assert "sandman.io/execd-access" not in labels["sandman-sandboxes"]
+    (policy,) = [
+        d for d in docs
+        if d["kind"] == "NetworkPolicy" and d["metadata"]["name"] == "sandman-services-ingress"
+    ]  # fmt: skip
+    assert policy["metadata"]["namespace"] == "sandman-system"
+    (selector,) = policy["spec"]["podSelector"]["matchExpressions"]
+    services = {
+        d["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/name"]
+        for d in docs
+        if d["kind"] in ("Deployment", "StatefulSet")
+        and d["metadata"]["name"] in ("sandman-postgres", "sandman-redis")
+    }
+    assert set(selector["values"]) == services == {"sandman-postgres", "sandman-redis"}
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    (rule,) = policy["spec"]["ingress"]
+    assert rule["from"] == [{"podSelector": {}}]  # same namespace only, no namespaceSelector
