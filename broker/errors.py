@@ -42,6 +42,9 @@ SandmanError                                                  retryable? (T/P)
 │   └── ActionRefused                       (ownership.leaks) P  a leak action that is not safe now
 └── ExecError                                                 P  execd refused a call (bad input, auth)
     ├── ExecAuthError(PermissionError)                        P
+    ├── ExecBusy                                              T  execd holds its maximum of runs/sessions
+    ├── ExecSessionNotFound(LookupError)                      P  no named session of that name
+    ├── ExecUserError                                         P  unknown user, or execd cannot switch user
     └── ExecTimeout(TimeoutError)                             P  the HTTP call timed out (not the command);
                                                                  the call may have run: never replayed
 """
@@ -211,6 +214,26 @@ class ExecAuthError(ExecError, PermissionError):
 
 class ExecTimeout(ExecError, TimeoutError):
     code = "exec_timeout"
+
+
+class ExecBusy(ExecError, TemporaryError):
+    """execd already runs its maximum of one-shot runs (or holds its maximum of named
+    sessions): a refusal, not a hang; retrying once others finished can succeed."""
+
+    code = "exec_busy"
+
+
+class ExecSessionNotFound(ExecError, LookupError):
+    """A named session that was never opened, or was closed."""
+
+    code = "exec_session_not_found"
+
+
+class ExecUserError(ExecError):
+    """A run's ``user`` is unknown in the sandbox, or execd (not root, or without
+    CAP_SETUID) cannot switch to it."""
+
+    code = "exec_user_error"
 
 
 def is_infrastructure(error: BaseException) -> bool:

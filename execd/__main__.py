@@ -20,8 +20,10 @@ from . import __version__
 from . import rundir as rundir_mod
 from .api import App
 from .reaper import Reaper, become_subreaper
+from .run import Runner
 from .server import Server
 from .session import Launch
+from .sessions import Sessions
 from .shell import Shell
 from .state import StateKeeper
 
@@ -72,6 +74,24 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
         type=int,
         default=64,
         help="connections without the token held at once (the oldest is cut for a new one)",
+    )
+    p.add_argument(
+        "--max-runs",
+        type=int,
+        default=32,
+        help="one-shot runs at once; one more is refused with 429 (never queued)",
+    )
+    p.add_argument(
+        "--max-sessions",
+        type=int,
+        default=16,
+        help="named sessions open at once (the default session not counted)",
+    )
+    p.add_argument(
+        "--stream-keepalive",
+        type=float,
+        default=5.0,
+        help="seconds of silence after which a streamed run sends a keepalive frame",
     )
     p.add_argument(
         "--insecure-no-auth",
@@ -187,10 +207,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     reaper = Reaper()
     reaper.start()
     rundir = rundir_mod.create()
-    shell = Shell(Launch(bash, workdir, dict(os.environ), reaper), rundir)
+    launch = Launch(bash, workdir, dict(os.environ), reaper)
+    shell = Shell(launch, rundir)
     shell.start()
     state = StateKeeper(shell, workdir, rundir)
-    app = App(token, shell, state, args.max_body_bytes, umask)
+    sessions = Sessions(shell, launch, rundir, args.max_sessions)
+    runner = Runner(reaper, launch.env, args.max_runs)
+    app = App(
+        token, shell, state, args.max_body_bytes, umask, sessions, runner, args.stream_keepalive
+    )
     server = Server(
         args.listen,
         app,
@@ -221,6 +246,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     finally:
         server.server_close()
         try:
+            sessions.close_all()
             shell.close()
         except Exception:  # best effort at shutdown
             log.exception("cleanup failed")

@@ -11,15 +11,20 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Tuple, Union
 
-from . import __version__, errors, files, validate
+from . import __version__, errors, files, runreply, runspec, validate
 from .output import DEFAULT_MAX_OUTPUT
+from .run import Run, Runner
+from .runspec import MAX_TIMEOUT_S
 from .server import BodyReader, Request, Response
+from .sessions import Sessions
 from .shell import Shell
 from .state import StateKeeper
 from .validate import Doc
 
-MAX_TIMEOUT_S = 7 * 24 * 3600.0
 WRITE = "/v1/files/write"
+RUN, RUN_STREAM = "/v1/run", "/v1/run/stream"
+# The one big string field each route may carry, parsed without a copy (split_big_string).
+BIG_FIELDS = {WRITE: "content_b64", RUN: "stdin_b64", RUN_STREAM: "stdin_b64"}
 
 Handler = Callable[[Doc], Union[Doc, Response]]
 
@@ -33,6 +38,9 @@ class App:
     state: StateKeeper
     max_body: int
     umask: int
+    sessions: Sessions
+    runner: Runner
+    keepalive_s: float
     started: float = field(default_factory=time.time, init=False)
 
     def __post_init__(self) -> None:
@@ -40,6 +48,10 @@ class App:
             "/healthz": ("GET", self.healthz),
             "/v1/info": ("GET", self.info),
             "/v1/exec": ("POST", self.exec_),
+            RUN: ("POST", self.run),
+            RUN_STREAM: ("POST", self.run_stream),
+            "/v1/sessions/open": ("POST", self.open_session),
+            "/v1/sessions/close": ("POST", self.close_session),
             "/v1/files/read": ("POST", self.read),
             "/v1/files/write": ("POST", self.write),
             "/v1/files/edit": ("POST", self.edit),
@@ -61,9 +73,10 @@ class App:
             raise errors.MethodNotAllowed("%s takes %s, not %s" % (req.path, route[0], req.method))
         body = read_body(req, self.max_body)
         req.body = b""  # the raw bytes live on only as long as this request needs them
-        split = validate.split_big_string(body, "content_b64") if req.path == WRITE else None
-        if split is not None:
-            doc, doc["content_b64"] = split
+        big = BIG_FIELDS.get(req.path)
+        split = validate.split_big_string(body, big) if big else None
+        if split is not None and big:
+            doc, doc[big] = split
         else:
             doc = validate.parse_json(body)
         del body
@@ -98,6 +111,9 @@ class App:
         }
         out.update(self.shell.info())
         out["orphans_reaped"] = self.shell.launch.reaper.orphans_reaped
+        out["sessions"] = self.sessions.names()
+        out["runs_active"] = self.runner.active
+        out["runs_started"] = self.runner.started
         return out
 
     def heartbeat(self, _doc: Doc) -> Doc:
@@ -107,7 +123,27 @@ class App:
         command = validate.string(doc, "command", nul_ok=False)
         timeout = validate.number(doc, "timeout", 300.0, 0.0, MAX_TIMEOUT_S)
         cap = validate.integer(doc, "max_output_bytes", DEFAULT_MAX_OUTPUT, 0, 1 << 30)
-        return self.shell.run(command, timeout, cap)
+        session = validate.string(doc, "session", None, nul_ok=False)
+        return self.sessions.get(session).run(command, timeout, cap)
+
+    def _start_run(self, doc: Doc) -> Run:
+        launch = self.shell.launch
+        return self.runner.start(runspec.parse(doc, launch.workdir, launch.bash))
+
+    def run(self, doc: Doc) -> Doc:
+        return runreply.collect(self._start_run(doc))
+
+    def run_stream(self, doc: Doc) -> Response:
+        """Refusals come as statuses; once the run started, as an error frame (runreply)."""
+        return Response(
+            200, chunks=runreply.frames(self._start_run(doc), self.keepalive_s), length=None
+        )
+
+    def open_session(self, doc: Doc) -> Doc:
+        return self.sessions.open(validate.string(doc, "name", nul_ok=False))
+
+    def close_session(self, doc: Doc) -> Doc:
+        return self.sessions.close(validate.string(doc, "name", nul_ok=False))
 
     def read(self, doc: Doc) -> Response:
         return files.read_response(validate.abs_path(doc))

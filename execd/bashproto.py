@@ -19,12 +19,21 @@ Why this shape (see docs/execd.md, "Persistence versus killable timeouts"):
   after they left the shell's process tree.
 """
 
+import itertools
 import re
 
 OUT_FD = 251
 ERR_FD = 252
 CTL_FD = 253
 CALL_VAR = "SANDMAN_EXECD_CALL"
+_CALL_IDS = itertools.count(1)
+
+
+def next_call_id() -> int:
+    """A call id unique across every session and run of this execd (``next`` on a
+    count is atomic under the GIL): a timeout kills the carriers of its own id only."""
+    return next(_CALL_IDS)
+
 
 _UNSAFE = re.compile(rb"[^A-Za-z0-9_./,:=@%+-]")
 _ESCAPE = re.compile(rb"[^ -&(-\[\]-~]")  # inside $'...': all but printable, ' and \

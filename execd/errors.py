@@ -14,6 +14,8 @@ one of these first.
      +-- LengthRequired  411  no Content-Length
      +-- PayloadTooLarge 413  body over --max-body-bytes
      +-- Unprocessable   422  file is not UTF-8 text or cannot round-trip
+     +-- TooManyRequests 429  the bound of concurrent runs or named sessions is reached
+     +-- Unavailable     503  no slot or no bash
 """
 
 from typing import Optional
@@ -83,3 +85,10 @@ class Unprocessable(ExecdError):
 class Unavailable(ExecdError):
     status = 503
     code = "unavailable"
+
+
+class TooManyRequests(ExecdError):
+    """A bound was reached: refused at once rather than queued, so callers never hang."""
+
+    status = 429
+    code = "busy"

@@ -118,13 +118,11 @@ def _stream(fd: int, size: int, head: bytes) -> Iterator[bytes]:
 B64_PIECE = 4 * 1024 * 1024  # characters, a multiple of 4
 
 
-def b64_pieces(text: Union[str, memoryview]) -> Iterator[bytes]:
+def b64_pieces(text: Union[str, memoryview], field: str = "content_b64") -> Iterator[bytes]:
     """Decode base64 in pieces straight into the file: a 100 MiB upload never
     exists decoded in memory next to its encoded form and an ASCII copy."""
     if len(text) % 4:
-        raise errors.BadRequest(
-            "field 'content_b64' is not valid base64 (length)", "invalid_base64"
-        )
+        raise errors.BadRequest("field %r is not valid base64 (length)" % field, "invalid_base64")
     for at in range(0, len(text), B64_PIECE):
         chunk = text[at : at + B64_PIECE]
         last = at + B64_PIECE >= len(text)
@@ -135,7 +133,7 @@ def b64_pieces(text: Union[str, memoryview]) -> Iterator[bytes]:
             yield base64.b64decode(piece, validate=True)
         except (ValueError, UnicodeEncodeError):  # binascii.Error is a ValueError
             raise errors.BadRequest(
-                "field 'content_b64' is not valid base64", "invalid_base64"
+                "field %r is not valid base64" % field, "invalid_base64"
             ) from None
 
 

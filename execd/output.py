@@ -7,7 +7,20 @@ the rest flows through a tail buffer trimmed to the last ``cap - cap // 2``
 bytes, and the true byte count is kept alongside. Memory stays under ~2 * cap.
 """
 
+import os
+from typing import Optional
+
 DEFAULT_MAX_OUTPUT = 1024 * 1024
+
+
+def read_pipe(fd: int) -> Optional[bytes]:
+    """One read of a non-blocking pipe: bytes, b"" at EOF (or a dead fd), None if empty now."""
+    try:
+        return os.read(fd, 65536)
+    except BlockingIOError:
+        return None
+    except OSError:
+        return b""
 
 
 class BoundedCapture:

@@ -64,8 +64,16 @@ class Reaper:
         **kwargs: Any,
     ) -> int:
         """posix_spawn a child whose exit status goes to ``on_exit(code)``."""
+        return self.own(lambda: os.posix_spawn(path, argv, env, **kwargs), on_exit)
+
+    def own(self, launch: Callable[[], int], on_exit: Callable[[int], None]) -> int:
+        """Start a child with ``launch()`` (returns its pid) and own its exit status.
+
+        ``launch`` runs under the lock the loop takes before classifying a pid,
+        so a child that exits at once is still handed to ``on_exit``.
+        """
         with self._lock:
-            pid = os.posix_spawn(path, argv, env, **kwargs)
+            pid = launch()
             self._owned[pid] = on_exit
         self._have_children.set()
         return pid

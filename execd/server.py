@@ -43,6 +43,7 @@ REASONS = {
     411: "Length Required",
     413: "Payload Too Large",
     422: "Unprocessable Entity",
+    429: "Too Many Requests",
     431: "Request Header Fields Too Large",
     500: "Internal Server Error",
     503: "Service Unavailable",
@@ -61,7 +62,8 @@ class Request:
 
 
 class Response:
-    """A JSON body, or chunks of an already-encoded body of known length."""
+    """A JSON body, or chunks of an already-encoded body of known length, or (``length``
+    None) a stream of NDJSON lines of unknown length, sent chunked as they come."""
 
     __slots__ = ("chunks", "length", "status")
 
@@ -70,7 +72,7 @@ class Response:
         status: int,
         body: Any = None,
         chunks: Optional[Iterable[bytes]] = None,
-        length: int = 0,
+        length: Optional[int] = 0,
     ) -> None:
         self.status = status
         if chunks is None:
@@ -231,6 +233,9 @@ class Handler(socketserver.StreamRequestHandler):
         return len(self.rfile.read(int(raw))) == int(raw)
 
     def _send(self, resp: Response, keep_alive: bool) -> None:
+        if resp.length is None:
+            self._send_stream(resp, keep_alive)
+            return
         head = (
             "HTTP/1.1 %d %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
             "Connection: %s\r\n\r\n"
@@ -252,6 +257,31 @@ class Handler(socketserver.StreamRequestHandler):
             first = False
         if first:
             self.wfile.write(head)
+
+    def _send_stream(self, resp: Response, keep_alive: bool) -> None:
+        """Chunked transfer, one chunk per line as the producer yields it. The producer is
+        closed whatever happens, so a client that went away ends what it was streaming."""
+        self.wfile.write(
+            (
+                "HTTP/1.1 %d %s\r\nContent-Type: application/x-ndjson\r\n"
+                "Transfer-Encoding: chunked\r\nConnection: %s\r\n\r\n"
+                % (
+                    resp.status,
+                    REASONS.get(resp.status, "Unknown"),
+                    "keep-alive" if keep_alive else "close",
+                )
+            ).encode()
+        )
+        chunks = iter(resp.chunks)
+        try:
+            for chunk in chunks:
+                if chunk:
+                    self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+            self.wfile.write(b"0\r\n\r\n")
+        finally:
+            close = getattr(chunks, "close", None)
+            if close is not None:
+                close()
 
 
 class Server(socketserver.ThreadingMixIn, socketserver.TCPServer):

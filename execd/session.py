@@ -20,7 +20,7 @@ import time
 from typing import Dict, List, NamedTuple, Optional, Set, Tuple
 
 from . import bashproto, proc
-from .output import BoundedCapture
+from .output import BoundedCapture, read_pipe
 from .reaper import Reaper
 
 log = logging.getLogger("execd.session")
@@ -388,12 +388,7 @@ class Session:
             self._finish(call)
 
     def _read(self, fd: int) -> Optional[bytes]:
-        try:
-            return os.read(fd, 65536)
-        except BlockingIOError:
-            return None
-        except OSError:
-            return b""
+        return read_pipe(fd)
 
     def _drain(self, fd: int) -> None:
         """Read what is there now into the current call (caller holds ``_mu``)."""

@@ -1,10 +1,10 @@
-"""The sandbox's one shell: serialises calls and replaces a dead bash.
+"""One shell (the default session or a named one): serialises its calls, replaces a dead bash.
 
-Calls are serialised by one lock, so concurrent requests never mix their
-output. When bash dies (``exit``, ``set -e``, ``exec``, an unwinding timeout
-that had to kill it), the call that killed it still returns the status, and
-the next call starts a fresh session in the starting directory and reports
-``session_restarted: true``.
+Calls into one shell are serialised by its lock, so concurrent requests never
+mix their output; other shells and one-shot runs have their own. When bash
+dies (``exit``, ``set -e``, ``exec``, an unwinding timeout that had to kill it),
+the call that killed it still returns the status, and the next call starts a
+fresh session in the starting directory and reports ``session_restarted: true``.
 """
 
 import logging
@@ -13,7 +13,7 @@ import threading
 import time
 from typing import Optional, Tuple
 
-from . import errors, proc
+from . import bashproto, errors, proc
 from .session import Call, Launch, Session, SessionError
 from .validate import Doc
 
@@ -21,13 +21,14 @@ log = logging.getLogger("execd.shell")
 
 
 class Shell:
-    def __init__(self, launch: Launch, runtime_dir: str) -> None:
+    def __init__(self, launch: Launch, runtime_dir: str, script_name: str = "command") -> None:
         self.launch = launch
         self.runtime_dir = runtime_dir
+        self.script_name = script_name
         self.lock = threading.Lock()
         self.session: Optional[Session] = None
         self._restart_pending = False
-        self._next_id = 1
+        self.calls = 0
         self.restarts = 0
 
     def _ensure(self, consume: bool = True) -> Tuple[Session, bool]:
@@ -38,7 +39,7 @@ class Shell:
         if session is None:
             # One path for every session (they never overlap): the session's
             # shape (its alias text) must not differ after a restart.
-            script = os.path.join(self.runtime_dir, "command")
+            script = os.path.join(self.runtime_dir, self.script_name)
             try:
                 session = Session(self.launch, script)
             except (SessionError, OSError) as exc:  # e.g. out of pids or memory
@@ -72,9 +73,8 @@ class Shell:
         self, command: str, timeout: float, cap: int, consume: bool = True
     ) -> Tuple[Call, bool]:
         session, restarted = self._ensure(consume)
-        call_id = self._next_id
-        self._next_id += 1
-        call = session.run(call_id, command, timeout, cap)
+        self.calls += 1
+        call = session.run(bashproto.next_call_id(), command, timeout, cap)
         if session.dead:
             self._discard()
         return call, restarted
@@ -124,6 +124,15 @@ class Shell:
             proc.kill_tree(lambda t: proc.descendants(t, [me]))
             self._discard()
 
+    def discard(self) -> int:
+        """Kill this shell's bash and everything below it, for good (a named session's
+        close). The kill comes first, so a running call ends now, not at its timeout."""
+        session = self.session
+        killed = session.kill() if session is not None else 0
+        with self.lock:
+            self._discard()
+        return max(0, killed - 1)  # bash itself is not counted
+
     def restart(self) -> None:
         """Fresh bash, same processes otherwise (used by restore)."""
         with self.lock:
@@ -136,5 +145,5 @@ class Shell:
         return {
             "session_pid": None if session is None or session.dead else session.pid,
             "session_restarts": self.restarts,
-            "calls": self._next_id - 1,
+            "calls": self.calls,
         }

@@ -29,7 +29,7 @@ from broker.client import core
 from broker.client.base import ClientBase, ClientOptions, SandboxBase
 from broker.errors import SandmanError, ServiceUnavailable
 from broker.wire import mailbox, warm
-from broker.wire.execd import AsyncExecdCalls, Call
+from broker.wire.execd import AsyncExecdCalls, Call, RunChunk, RunResult
 from broker.wire.types import Lease
 
 
@@ -52,6 +52,10 @@ class AsyncSandbox(SandboxBase, AsyncExecdCalls):
     async def _send(self, call: Call) -> dict[str, Any]:
         self._check_held()
         return await self._execd.send_async(self.client.http, call)
+
+    def _stream(self, call: Call) -> AsyncIterator[RunChunk | RunResult]:
+        self._check_held()
+        return self._execd.stream_async(self.client.http, call)
 
     async def healthy(self, timeout: float = 2.0) -> bool:
         return await self._execd.healthy_async(self.client.http, timeout)

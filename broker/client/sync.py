@@ -39,10 +39,19 @@ from broker.client.base import ClientBase, ClientOptions, SandboxBase
 from broker.errors import SandmanError, ServiceUnavailable
 from broker.names import Queue
 from broker.wire import mailbox, warm
-from broker.wire.execd import Call, ExecdCalls, ExecResult
+from broker.wire.execd import Call, ExecdCalls, ExecResult, RunChunk, RunResult
 from broker.wire.types import Lease
 
-__all__ = ["QUEUE_ACQUIRE", "QUEUE_RELEASE", "ExecResult", "Heartbeats", "Sandbox", "SandboxClient"]
+__all__ = [
+    "QUEUE_ACQUIRE",
+    "QUEUE_RELEASE",
+    "ExecResult",
+    "Heartbeats",
+    "RunChunk",
+    "RunResult",
+    "Sandbox",
+    "SandboxClient",
+]
 
 QUEUE_ACQUIRE, QUEUE_RELEASE = Queue.ACQUIRE, Queue.RELEASE
 
@@ -66,6 +75,10 @@ class Sandbox(SandboxBase, ExecdCalls):
     def _send(self, call: Call) -> dict[str, Any]:
         self._check_held()
         return self._execd.send(self.client.http, call)
+
+    def _stream(self, call: Call) -> Iterator[RunChunk | RunResult]:
+        self._check_held()
+        return self._execd.stream(self.client.http, call)
 
     def healthy(self, timeout: float = 2.0) -> bool:
         return self._execd.healthy(self.client.http, timeout)

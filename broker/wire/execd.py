@@ -6,8 +6,15 @@ status means the same thing everywhere:
 
     200                      the reply document
     401 / 403                ExecAuthError   (wrong or missing token: ours, not the agent's)
+    429                      ExecBusy        (its bound of runs or sessions is reached: retry)
+    404 ``no_session``       ExecSessionNotFound
+    4xx ``unknown_user``, ``cannot_switch_user``  ExecUserError
     5xx, non-JSON, no answer SandboxLost     (infrastructure: mask the sample)
     any other 4xx            ExecError       (execd refused the input; ``error_code`` is its code)
+
+Streamed runs (``/v1/run/stream``) answer 200 with NDJSON frames: output chunks,
+keepalives (skipped here), then one ``result`` frame, or an ``error`` frame decoded like
+a status above; a stream that ends without either is a lost sandbox.
 
 The shapes (``Call``) and the decoder are pure; ``Endpoint.send`` and ``send_async`` are
 the only two places that put a ``Call`` on the network, over a caller-owned httpx
@@ -18,17 +25,30 @@ from __future__ import annotations
 
 import atexit
 import base64
+import codecs
 import functools
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields
-from typing import Any, Literal
+from typing import Any, Literal, TypedDict, Unpack
 
 import httpx
 
-from broker.errors import ExecAuthError, ExecError, SandboxLost, SandmanError
+from broker.errors import (
+    ExecAuthError,
+    ExecBusy,
+    ExecError,
+    ExecSessionNotFound,
+    ExecUserError,
+    InvalidRequest,
+    SandboxLost,
+    SandmanError,
+)
 from broker.wire.validation import json_object
 
 CALL_TIMEOUT_S = 60.0  # file and state calls: bounded by execd's own work, not the agent's
 EXEC_SLACK_S = 15.0  # the HTTP wait of an exec outlives the command's own timeout by this
+RUN_UNBOUNDED = 7 * 24 * 3600.0 + EXEC_SLACK_S  # a run without a timeout: execd's own maximum
+STREAM_READ_S = 60.0  # a stream silent this long (keepalives come every few seconds) is lost
 
 
 @dataclass(frozen=True)
@@ -55,6 +75,52 @@ class ExecResult:
 
 
 @dataclass(frozen=True)
+class RunResult:
+    """One one-shot run's outcome (``Sandbox.run``): like ExecResult, without a session.
+
+    ``exit_code`` is None exactly when ``timed_out`` (the run's whole process tree was
+    killed); a signal death is 128+N as in bash. ``stdout_bytes``/``stderr_bytes`` hold
+    the raw bytes when the run asked for ``binary``, else None.
+    """
+
+    exit_code: int | None
+    stdout: str
+    stderr: str
+    truncated: bool = False
+    timed_out: bool = False
+    duration_s: float = 0.0
+    stdout_bytes: bytes | None = None
+    stderr_bytes: bytes | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0 and not self.timed_out
+
+    @classmethod
+    def from_reply(cls, data: dict[str, Any]) -> RunResult:
+        """Raw bytes from ``*_b64`` when present; fields a newer execd adds are ignored."""
+        known = {f.name for f in fields(cls)} - {"stdout_bytes", "stderr_bytes"}
+        doc: dict[str, Any] = {k: v for k, v in data.items() if k in known}
+        for stream in STREAMS:
+            if isinstance(data.get(f"{stream}_b64"), str):
+                doc[f"{stream}_bytes"] = base64.b64decode(data[f"{stream}_b64"])
+        return cls(**doc)
+
+
+@dataclass(frozen=True)
+class RunChunk:
+    """A piece of a streamed run's output, as it came (``Sandbox.run_stream``).
+
+    ``text`` is decoded incrementally (a UTF-8 sequence split between chunks is never
+    mangled); ``data`` holds the raw bytes when the run asked for ``binary``.
+    """
+
+    stream: Literal["stdout", "stderr"]
+    text: str
+    data: bytes | None = None
+
+
+@dataclass(frozen=True)
 class Call:
     """One request to execd, before any I/O: what both transports send."""
 
@@ -69,6 +135,78 @@ def exec_call(command: str, *, timeout: float = 60.0, max_output_bytes: int | No
     if max_output_bytes is not None:
         body["max_output_bytes"] = max_output_bytes
     return Call("POST", "/v1/exec", body, timeout + EXEC_SLACK_S)
+
+
+def session_exec_call(
+    command: str,
+    *,
+    timeout: float = 60.0,
+    max_output_bytes: int | None = None,
+    session: str | None = None,
+) -> Call:
+    """An exec in the default session (``session`` None) or in a named one."""
+    call = exec_call(command, timeout=timeout, max_output_bytes=max_output_bytes)
+    if session is None:
+        return call
+    assert call.body is not None
+    return Call(call.method, call.path, {**call.body, "session": session}, call.timeout)
+
+
+def open_session_call(name: str) -> Call:
+    return Call("POST", "/v1/sessions/open", {"name": name}, CALL_TIMEOUT_S)
+
+
+def close_session_call(name: str) -> Call:
+    return Call("POST", "/v1/sessions/close", {"name": name}, CALL_TIMEOUT_S)
+
+
+class RunOptions(TypedDict, total=False):
+    """The keyword arguments of ``run`` and ``run_stream`` (sync and async alike)."""
+
+    input: bytes | str | None  # stdin; None: /dev/null
+    cwd: str | None  # relative: to execd's workdir
+    env: Mapping[str, str] | None  # added to execd's environment (reserved names refused)
+    user: str | None  # a name or numeric uid (needs execd as root with CAP_SETUID)
+    timeout: float | None  # None: execd's maximum (7 days)
+    max_output_bytes: int | None  # per stream; default 1 MiB
+    binary: bool  # also return the raw bytes
+
+
+def run_call(
+    cmd: str | Sequence[str], *, stream: bool = False, **options: Unpack[RunOptions]
+) -> Call:
+    """A one-shot run: a string is a ``bash -c`` script, a sequence an argv (no shell).
+
+    ``timeout`` None lets the run go on as long as execd allows (7 days) and the HTTP
+    wait is then unbounded too; otherwise the wait outlives the run by EXEC_SLACK_S.
+    """
+    body: dict[str, Any] = {}
+    if isinstance(cmd, str):
+        body["cmd"] = cmd
+    else:
+        argv = list(cmd)
+        if not argv or not all(isinstance(a, str) for a in argv):
+            raise InvalidRequest("run needs a non-empty argv of strings", field="cmd")
+        body["argv"] = argv
+    stdin = options.get("input")
+    if stdin is not None:
+        raw = stdin.encode() if isinstance(stdin, str) else bytes(stdin)
+        body["stdin_b64"] = base64.b64encode(raw).decode()
+    env = options.get("env")
+    optional = {
+        "cwd": options.get("cwd"),
+        "env": dict(env) if env is not None else None,
+        "user": options.get("user"),
+        "timeout": options.get("timeout"),
+        "max_output_bytes": options.get("max_output_bytes"),
+    }
+    body.update({k: v for k, v in optional.items() if v is not None})
+    if options.get("binary"):
+        body["binary"] = True
+    path = "/v1/run/stream" if stream else "/v1/run"
+    timeout = options.get("timeout")
+    wait = RUN_UNBOUNDED if timeout is None else timeout + EXEC_SLACK_S
+    return Call("POST", path, body, wait)
 
 
 def read_call(path: str) -> Call:
@@ -111,13 +249,66 @@ def decode(status: int, content: bytes, call: Call, who: str) -> dict[str, Any]:
     data = json_object(content, SandboxLost, f"{who} answering {call.path}")
     if status == 200:
         return data
-    error = data.get("error") or {}
-    message = f"{call.path}: {error.get('code')}: {error.get('message')}"
+    raise refusal(status, data.get("error") or {}, call)
+
+
+USER_CODES = frozenset({"unknown_user", "cannot_switch_user"})
+
+
+def refusal(status: int, error: dict[str, Any], call: Call) -> SandmanError:
+    """The typed error for one of execd's refusals (module doc)."""
+    code = str(error.get("code"))
+    message = f"{call.path}: {code}: {error.get('message')}"
     if status in (401, 403):
-        raise ExecAuthError(message, status=status, error_code="auth")
+        return ExecAuthError(message, status=status, error_code="auth")
     if status >= 500:
-        raise SandboxLost(message)
-    raise ExecError(message, status=status, error_code=str(error.get("code")))
+        return SandboxLost(message)
+    if status == 429:
+        return ExecBusy(message, status=status, error_code=code)
+    if status == 404 and code == "no_session":
+        return ExecSessionNotFound(message, status=status, error_code=code)
+    if code in USER_CODES:
+        return ExecUserError(message, status=status, error_code=code)
+    return ExecError(message, status=status, error_code=code)
+
+
+class StreamDecoder:
+    """Turns a streamed run's NDJSON frames into RunChunks and the final RunResult.
+
+    Pure: both transports feed it lines. Text is decoded per stream with an incremental
+    UTF-8 decoder (replacement for invalid bytes), so a character split by a chunk
+    boundary comes out whole.
+    """
+
+    def __init__(self, call: Call, who: str) -> None:
+        self.call = call
+        self.who = who
+        self.done = False
+        self._text = {s: codecs.getincrementaldecoder("utf-8")("replace") for s in STREAMS}
+
+    def feed(self, line: bytes) -> RunChunk | RunResult | None:
+        if not line.strip():
+            return None
+        frame = json_object(line, SandboxLost, f"{self.who} streaming {self.call.path}")
+        kind = frame.get("type")
+        if kind in STREAMS:
+            raw = base64.b64decode(frame["b64"])
+            binary = bool(self.call.body and self.call.body.get("binary"))
+            text = self._text[kind].decode(raw)
+            return RunChunk(kind, text, raw if binary else None)
+        if kind == "result":
+            self.done = True
+            return RunResult.from_reply(frame)
+        if kind == "error":
+            raise refusal(int(frame.get("status") or 500), frame.get("error") or {}, self.call)
+        return None  # keepalive, or a frame kind a newer execd added
+
+    def end(self) -> None:
+        if not self.done:
+            raise SandboxLost(f"{self.who} ended the stream of {self.call.path} without a result")
+
+
+STREAMS: tuple[Literal["stdout"], Literal["stderr"]] = ("stdout", "stderr")
 
 
 def transport_failure(exc: httpx.HTTPError, call: Call, who: str) -> SandboxLost:
@@ -159,6 +350,44 @@ class Endpoint:
             raise transport_failure(exc, call, self.who) from exc
         return decode(resp.status_code, resp.content, call, self.who)
 
+    def _stream_request(self, call: Call) -> dict[str, Any]:
+        req = self._request(call)
+        req["timeout"] = httpx.Timeout(STREAM_READ_S, connect=CALL_TIMEOUT_S)
+        return req
+
+    def stream(self, http: httpx.Client, call: Call) -> Iterator[RunChunk | RunResult]:
+        """A streamed run's chunks, then its result (the connection closes with the loop)."""
+        decoder = StreamDecoder(call, self.who)
+        try:
+            with http.stream(**self._stream_request(call)) as resp:
+                if resp.status_code != 200:
+                    resp.read()
+                    decode(resp.status_code, resp.content, call, self.who)
+                for line in resp.iter_lines():
+                    item = decoder.feed(line.encode())
+                    if item is not None:
+                        yield item
+        except httpx.HTTPError as exc:
+            raise transport_failure(exc, call, self.who) from exc
+        decoder.end()
+
+    async def stream_async(
+        self, http: httpx.AsyncClient, call: Call
+    ) -> AsyncIterator[RunChunk | RunResult]:
+        decoder = StreamDecoder(call, self.who)
+        try:
+            async with http.stream(**self._stream_request(call)) as resp:
+                if resp.status_code != 200:
+                    await resp.aread()
+                    decode(resp.status_code, resp.content, call, self.who)
+                async for line in resp.aiter_lines():
+                    item = decoder.feed(line.encode())
+                    if item is not None:
+                        yield item
+        except httpx.HTTPError as exc:
+            raise transport_failure(exc, call, self.who) from exc
+        decoder.end()
+
     def healthy(self, http: httpx.Client, timeout: float) -> bool:
         try:
             self.send(http, healthz_call(timeout))
@@ -184,11 +413,39 @@ class ExecdCalls:
     def _send(self, call: Call) -> dict[str, Any]:
         raise NotImplementedError
 
+    def _stream(self, call: Call) -> Iterator[RunChunk | RunResult]:
+        raise NotImplementedError
+
     def exec(
-        self, command: str, *, timeout: float = 60.0, max_output_bytes: int | None = None
+        self,
+        command: str,
+        *,
+        timeout: float = 60.0,
+        max_output_bytes: int | None = None,
+        session: str | None = None,
     ) -> ExecResult:
-        call = exec_call(command, timeout=timeout, max_output_bytes=max_output_bytes)
+        """Run in the persistent default session, or in the named ``session``."""
+        call = session_exec_call(
+            command, timeout=timeout, max_output_bytes=max_output_bytes, session=session
+        )
         return ExecResult.from_reply(self._send(call))
+
+    def run(self, cmd: str | Sequence[str], **options: Unpack[RunOptions]) -> RunResult:
+        """A one-shot process beside the session (``run_call`` says what ``cmd`` means)."""
+        return RunResult.from_reply(self._send(run_call(cmd, **options)))
+
+    def run_stream(
+        self, cmd: str | Sequence[str], **options: Unpack[RunOptions]
+    ) -> Iterator[RunChunk | RunResult]:
+        """Like ``run``, yielding RunChunks as output arrives, then the RunResult last."""
+        return self._stream(run_call(cmd, stream=True, **options))
+
+    def open_session(self, name: str) -> dict[str, Any]:
+        """A named session beside the default one: its own bash, cwd and environment."""
+        return self._send(open_session_call(name))
+
+    def close_session(self, name: str) -> dict[str, Any]:
+        return self._send(close_session_call(name))
 
     def read_file(self, path: str) -> bytes:
         return file_content(self._send(read_call(path)))
@@ -212,11 +469,36 @@ class AsyncExecdCalls:
     async def _send(self, call: Call) -> dict[str, Any]:
         raise NotImplementedError
 
+    def _stream(self, call: Call) -> AsyncIterator[RunChunk | RunResult]:
+        raise NotImplementedError
+
     async def exec(
-        self, command: str, *, timeout: float = 60.0, max_output_bytes: int | None = None
+        self,
+        command: str,
+        *,
+        timeout: float = 60.0,
+        max_output_bytes: int | None = None,
+        session: str | None = None,
     ) -> ExecResult:
-        call = exec_call(command, timeout=timeout, max_output_bytes=max_output_bytes)
+        call = session_exec_call(
+            command, timeout=timeout, max_output_bytes=max_output_bytes, session=session
+        )
         return ExecResult.from_reply(await self._send(call))
+
+    async def run(self, cmd: str | Sequence[str], **options: Unpack[RunOptions]) -> RunResult:
+        return RunResult.from_reply(await self._send(run_call(cmd, **options)))
+
+    def run_stream(
+        self, cmd: str | Sequence[str], **options: Unpack[RunOptions]
+    ) -> AsyncIterator[RunChunk | RunResult]:
+        """``async for item in sb.run_stream(...)``: RunChunks, then the RunResult."""
+        return self._stream(run_call(cmd, stream=True, **options))
+
+    async def open_session(self, name: str) -> dict[str, Any]:
+        return await self._send(open_session_call(name))
+
+    async def close_session(self, name: str) -> dict[str, Any]:
+        return await self._send(close_session_call(name))
 
     async def read_file(self, path: str) -> bytes:
         return file_content(await self._send(read_call(path)))

@@ -21,8 +21,16 @@ import pytest
 import redis as redis_lib
 from sqlalchemy import select
 
-from broker.client import AsyncSandboxClient, SandboxClient
-from broker.errors import AcquireTimeout, InfrastructureError, SandboxLost, UnknownJob
+from broker.client import AsyncSandboxClient, RunChunk, RunResult, SandboxClient
+from broker.errors import (
+    AcquireTimeout,
+    ExecError,
+    ExecSessionNotFound,
+    ExecUserError,
+    InfrastructureError,
+    SandboxLost,
+    UnknownJob,
+)
 from broker.ledger import store
 from broker.ledger.models import Sandbox
 from broker.ledger.states import State
@@ -92,6 +100,16 @@ class Trainer:
                 raise
         else:
             self._call(leave, None, None, None)
+
+    def drain(self, items: Any) -> list[Any]:
+        """Every item of a sync iterator or (on the client's loop) an async one."""
+        if hasattr(items, "__aiter__"):
+
+            async def collect() -> list[Any]:
+                return [item async for item in items]
+
+            return list(self.run(collect()))
+        return list(items)
 
     def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
         out = fn(*args)
@@ -166,6 +184,45 @@ def test_exec_caps_modes_edits_and_files(trainer: Trainer, sessions: Any) -> Non
     with pytest.raises(SandboxLost):
         sb.exec("true")  # a released lease is never used again
     _until(lambda: _row(sessions, sb.id).state == State.DELETED, "release never finished")
+
+
+def test_runs_streams_and_named_sessions(trainer: Trainer, sessions: Any) -> None:
+    job = _job(sessions, "runs")
+    sb = trainer.open(image=IMAGE, job=job, timeout=30)
+    try:
+        r = sb.run(["cat"], input=b"\x00\xffdata", binary=True, env={"A": "1"})
+        assert isinstance(r, RunResult) and r.ok and r.stdout_bytes == b"\x00\xffdata"
+        shell = sb.run("cd /tmp && echo $A; pwd; exit 4", env={"A": "x"}, cwd="/workspace")
+        assert (shell.exit_code, shell.stdout) == (4, "x\n/tmp\n")
+        assert sb.run(["pwd"], cwd="/workspace").stdout == "/workspace\n"  # nothing persisted
+        assert sb.run("sleep 100", timeout=1).timed_out
+        assert sb.run("kill -TERM $$").exit_code == 143
+        assert sb.run(["pwd"]).stdout_bytes is None
+        with pytest.raises(ExecError) as refused:
+            sb.run(["true"], env={"LD_PRELOAD": "x"})
+        assert refused.value.error_code == "reserved_env"
+        with pytest.raises(ExecUserError):
+            sb.run(["true"], user="no-such-user")
+        # The local backend's bubblewrap gives its root no CAP_SETUID: the switch is refused,
+        # typed (test_runs.py proves the switch itself against a plain execd run as root).
+        with pytest.raises(ExecUserError) as no_switch:
+            sb.run(["id"], user="nobody")
+        assert no_switch.value.error_code == "cannot_switch_user"
+        items = trainer.drain(sb.run_stream("echo one; echo two >&2; exit 3"))
+        chunks, result = items[:-1], items[-1]
+        assert all(isinstance(c, RunChunk) for c in chunks)
+        assert "".join(c.text for c in chunks if c.stream == "stdout") == "one\n"
+        assert "".join(c.text for c in chunks if c.stream == "stderr") == "two\n"
+        assert isinstance(result, RunResult) and result.exit_code == 3
+        assert sb.open_session("side")["name"] == "side"
+        sb.exec("cd /tmp", session="side")
+        assert sb.exec("pwd", session="side").stdout == "/tmp\n"
+        assert sb.exec("pwd").stdout != "/tmp\n"  # the default session is its own
+        sb.close_session("side")
+        with pytest.raises(ExecSessionNotFound):
+            sb.exec("pwd", session="side")
+    finally:
+        sb.release()
 
 
 def test_heartbeats_at_a_third_of_a_short_lease(trainer: Trainer, sessions: Any) -> None:

@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from execd import bashproto, errors, sessionstate
+from broker.wire import validation
+from execd import bashproto, errors, runspec, sessionstate
 from execd.edit import apply_edit, occurrences
 from execd.output import BoundedCapture
 from execd.validate import parse_json
@@ -151,3 +152,13 @@ def test_parse_declare_keeps_bash_quoting():
         "EMPTY": '""',
         "RO": '"r"',
     }
+
+
+@pytest.mark.parametrize(
+    "name", ["LD_PRELOAD", "SANDMAN_X", "PYTHONPATH", "BASH_ENV", "IFS", "PATH", "HOME", "A"]
+)
+def test_run_env_refuses_what_the_acquire_env_refuses(name):
+    """execd cannot import the broker's list, so the two are kept equal here."""
+    assert runspec.reserved(name) == validation.reserved_env_name(name)
+    assert runspec.RESERVED_ENV == validation._RESERVED_ENV
+    assert runspec.RESERVED_PREFIXES == validation._RESERVED_ENV_PREFIXES

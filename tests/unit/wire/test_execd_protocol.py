@@ -13,7 +13,16 @@ import json
 import httpx
 import pytest
 
-from broker.errors import ExecAuthError, ExecError, InfrastructureError, SandboxLost
+from broker.errors import (
+    ExecAuthError,
+    ExecBusy,
+    ExecError,
+    ExecSessionNotFound,
+    ExecUserError,
+    InfrastructureError,
+    InvalidRequest,
+    SandboxLost,
+)
 from broker.wire import execd
 
 pytestmark = pytest.mark.unit
@@ -98,3 +107,80 @@ def test_no_answer_is_a_lost_sandbox() -> None:
         with pytest.raises(SandboxLost, match="unreachable"):
             endpoint.send(http, execd.read_call("/a"))
         assert not endpoint.healthy(http, 1.0)
+
+
+def test_run_shapes() -> None:
+    call = execd.run_call(["echo", "hi"], input="x", cwd="/w", env={"A": "1"}, timeout=5)
+    assert call.path == "/v1/run" and call.timeout == 5 + execd.EXEC_SLACK_S
+    assert call.body == {
+        "argv": ["echo", "hi"],
+        "stdin_b64": base64.b64encode(b"x").decode(),
+        "cwd": "/w",
+        "env": {"A": "1"},
+        "timeout": 5,
+    }
+    streamed = execd.run_call("echo hi", user="nobody", binary=True, stream=True)
+    assert streamed.path == "/v1/run/stream"
+    assert streamed.body == {"cmd": "echo hi", "user": "nobody", "binary": True}
+    assert streamed.timeout == execd.RUN_UNBOUNDED  # no timeout: execd's own maximum
+    with pytest.raises(InvalidRequest):
+        execd.run_call([])
+    named = execd.session_exec_call("ls", timeout=5, session="s2")
+    assert named.body == {"command": "ls", "timeout": 5, "session": "s2"}
+    assert "session" not in (execd.session_exec_call("ls").body or {})
+    assert execd.open_session_call("s2").body == {"name": "s2"}
+
+
+@pytest.mark.parametrize(
+    ("status", "code", "error"),
+    [
+        (429, "busy", ExecBusy),
+        (404, "no_session", ExecSessionNotFound),
+        (404, "not_found", ExecError),
+        (400, "unknown_user", ExecUserError),
+        (422, "cannot_switch_user", ExecUserError),
+        (400, "reserved_env", ExecError),
+    ],
+)
+def test_run_and_session_refusals_are_typed(status: int, code: str, error: type) -> None:
+    body = json.dumps({"error": {"code": code, "message": "m"}}).encode()
+    with pytest.raises(ExecError) as info:
+        execd.decode(status, body, execd.run_call("true"), "execd")
+    assert type(info.value) is error and info.value.error_code == code
+    assert info.value.retryable == (error is ExecBusy)
+
+
+def test_run_result_decodes_binary_only_when_sent() -> None:
+    reply = {"exit_code": 0, "stdout": "a", "stderr": "", "stdout_total": 1, "new": 1}
+    assert execd.RunResult.from_reply(reply).stdout_bytes is None
+    raw = execd.RunResult.from_reply({**reply, "stdout_b64": "/w==", "stderr_b64": ""})
+    assert (raw.stdout_bytes, raw.stderr_bytes) == (b"\xff", b"")
+
+
+def _frame(**doc: object) -> bytes:
+    return json.dumps(doc).encode()
+
+
+def test_stream_decoder_joins_split_characters_and_skips_keepalives() -> None:
+    decoder = execd.StreamDecoder(execd.run_call("x", stream=True), "execd")
+    e_acute = "é".encode()
+    items = [
+        decoder.feed(_frame(type="stdout", b64=base64.b64encode(e_acute[:1]).decode())),
+        decoder.feed(_frame(type="keepalive")),
+        decoder.feed(_frame(type="stdout", b64=base64.b64encode(e_acute[1:]).decode())),
+        decoder.feed(_frame(type="result", exit_code=0, stdout="", stderr="")),
+    ]
+    assert items[0] == execd.RunChunk("stdout", "") and items[1] is None
+    assert items[2] == execd.RunChunk("stdout", "é")
+    assert isinstance(items[3], execd.RunResult) and items[3].ok
+    decoder.end()
+
+
+def test_stream_errors_and_truncation_are_typed() -> None:
+    decoder = execd.StreamDecoder(execd.run_call("x", stream=True), "execd")
+    with pytest.raises(SandboxLost):
+        decoder.feed(_frame(type="error", status=500, error={"code": "internal"}))
+    cut = execd.StreamDecoder(execd.run_call("x", stream=True), "execd")
+    cut.feed(_frame(type="keepalive"))
+    with pytest.raises(SandboxLost, match="without a result"):
+        cut.end()
