@@ -9,11 +9,12 @@ are ExecError.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
 
-from broker.wire.execd import Call, Endpoint, ExecdCalls
+from broker.wire.execd import Call, Endpoint, ExecdCalls, RunChunk, RunResult
 
 
 class DirectSandbox(ExecdCalls):
@@ -33,3 +34,6 @@ class DirectSandbox(ExecdCalls):
 
     def _send(self, call: Call) -> dict[str, Any]:
         return self._execd.send(self._http, call)
+
+    def _stream(self, call: Call) -> Iterator[RunChunk | RunResult]:
+        return self._execd.stream(self._http, call)

@@ -4,11 +4,17 @@ The protocol, per attempt:
 1. acquire a sandbox with role "grading" (never the rollout's; a reused one only when
    the config allows it), with the declared environment (hash seed, TZ, locale);
 2. probe the run conditions inside it and refuse on a contradiction;
-3. check the worktree is pristine at the base commit, apply the agent patch (test-file
-   sections already dropped on the broker side), restore the declared test files from
-   the base commit and apply the task's test patch;
-4. run the test command with the declared timeout and parse per-test outcomes;
+3. check the worktree is pristine at the base commit, apply the agent patch (test-path
+   sections already dropped on the broker side, ``broker.grading.testrules``), restore
+   the test files and every dropped path from the base commit and apply the task's
+   test patch;
+4. run the test command with the declared timeout, parse per-test outcomes and
+   attribute a failure to a run condition where the evidence shows one
+   (``broker.grading.attribution``);
 5. release (always).
+The grader's files in the sandbox (patches, the probe) live in a fresh ``mktemp -d``
+directory per grading, removed afterwards: gradings that share a ``/tmp`` (direct mode,
+a reused sandbox) never read each other's patches.
 Infrastructure failures (typed ``InfrastructureError``) are retried a bounded number of
 times with a fresh sandbox and, if they persist, reported as ``infra_error``: never as a
 failed patch. A patch that does not apply is the patch's fault: ``unresolved``.
@@ -30,7 +36,7 @@ from broker.errors import (
     SandmanError,
     TemporaryError,
 )
-from broker.grading import testlog
+from broker.grading import attribution, testlog
 from broker.grading.patch import ExtractedPatch, is_excluded
 from broker.grading.patchfmt import filter_patch, patch_paths
 from broker.grading.probe import ProbeContradiction, ProbeReport, run_probe
@@ -40,7 +46,16 @@ from broker.grading.spec import TaskSpec
 from broker.wire.validation import parse_memory
 
 log = logging.getLogger(__name__)
-WORK = "/tmp/sandman-grade"  # noqa: S108 (inside the sandbox, not here)
+WORK_MARKER = "SANDMAN-WORK"
+OOM_MARKER = "SANDMAN-OOM-KILLS"
+# The oom_kill counter of the cgroup the shell runs in (cgroup v2; v1 kernels >= 4.13
+# print it in memory.oom_control). Prints nothing when unreadable.
+OOM_KILLS = (
+    "p=$(sed -n 's/^0:://p' /proc/self/cgroup 2>/dev/null | head -n 1); "
+    'for f in "/sys/fs/cgroup$p/memory.events" /sys/fs/cgroup/memory.events '
+    "/sys/fs/cgroup/memory/memory.oom_control; do "
+    '[ -r "$f" ] && { sed -n "s/^oom_kill /' + OOM_MARKER + ' /p" "$f"; break; }; done'
+)
 
 
 class GradingSandboxRejected(InfrastructureError, TemporaryError):
@@ -79,12 +94,15 @@ def as_patch_bytes(patch: bytes | str | ExtractedPatch | None) -> bytes:
     return patch.encode() if isinstance(patch, str) else patch
 
 
-def apply_script(task: TaskSpec, agent_patch: str, test_patch: str) -> str:
+def apply_script(
+    task: TaskSpec, agent_patch: str, test_patch: str, dropped: list[str] | tuple[str, ...] = ()
+) -> str:
+    """Pristine check, agent patch, test paths back to the base commit, test patch."""
     q = shlex.quote
     restore = "\n".join(
         f'if g cat-file -e "$B":{q(f)} 2>/dev/null; then g checkout -q "$B" -- {q(f)} || exit 30; '
         f"else rm -rf -- {q(f)}; fi"
-        for f in task.test_files
+        for f in dict.fromkeys([*task.test_files, *dropped])
     )
     return f"""
 R={q(task.repo_path)}
@@ -98,6 +116,7 @@ dirty=$(g status --porcelain --untracked-files=all | head -n 5)
 if [ -s {q(agent_patch)} ]; then g apply --whitespace=nowarn {q(agent_patch)} || exit 20; fi
 {restore}
 if [ -s {q(test_patch)} ]; then g apply --whitespace=nowarn {q(test_patch)} || exit 30; fi
+{OOM_KILLS}
 echo SANDMAN-APPLIED
 """
 
@@ -137,8 +156,10 @@ class Grader:
     def grade(self, task: TaskSpec, patch: bytes | str | ExtractedPatch | None) -> GradeResult:
         started = time.monotonic()
         raw = as_patch_bytes(patch)
+        earlier = patch.dropped if isinstance(patch, ExtractedPatch) else []
         try:
             kept, dropped = filter_patch(raw, lambda p: is_excluded(task, p))
+            dropped = sorted({*earlier, *dropped})
             files = patch_paths(kept)
         except ValueError as exc:
             return GradeResult(
@@ -169,6 +190,7 @@ class Grader:
                     reason=f"infrastructure: {exc.code}: {str(exc)[:500]}",
                     infra_kind=exc.code,
                     probe=probe or result.probe,
+                    attribution=[attribution.PROBE_CONTRADICTION] if probe else [],
                 )
                 log.warning("grading %s attempt %d: %s", task.task_id, number, exc)
                 if number < self.config.max_attempts:
@@ -210,6 +232,22 @@ class Grader:
         base: GradeResult,
         attempt: Attempt,
     ) -> GradeResult:
+        work = private_dir(sandbox)
+        try:
+            return self._grade_at(sandbox, work, task, patch, base, attempt)
+        finally:
+            with contextlib.suppress(SandmanError):  # a lost sandbox takes its /tmp along
+                sandbox.exec(f"rm -rf -- {shlex.quote(work)}", timeout=60)
+
+    def _grade_at(  # noqa: PLR0917
+        self,
+        sandbox: GradingSandbox,
+        work: str,
+        task: TaskSpec,
+        patch: bytes,
+        base: GradeResult,
+        attempt: Attempt,
+    ) -> GradeResult:
         cfg = self.config
         timeout = self.timeout_for(task)
         t = time.monotonic()
@@ -219,6 +257,7 @@ class Grader:
             grader_timeout_s=timeout,
             egress_host=cfg.egress_host,
             egress_timeout_s=cfg.egress_timeout_s,
+            workdir=work,
         )
         attempt.durations["probe_s"] = time.monotonic() - t
         if not report.ok(refuse_unreadable=cfg.refuse_unreadable):
@@ -227,10 +266,21 @@ class Grader:
                 raise GradingSandboxRejected(f"unreadable run conditions refused: {names}")
             raise ProbeContradiction(report)
         t = time.monotonic()
-        agent_path, test_path = f"{WORK}/agent.patch", f"{WORK}/test.patch"
+        agent_path, test_path = f"{work}/agent.patch", f"{work}/test.patch"
         sandbox.write_file(agent_path, patch)
+        hidden = hidden_paths(sandbox, task, work, patch, base.patch_files)
+        if hidden:
+            attempt.durations["apply_s"] = time.monotonic() - t
+            names = ", ".join(hidden[:20])
+            return replace(
+                base,
+                probe=report.to_dict(),
+                verdict=Verdict.UNRESOLVED,
+                reason=f"patch touches paths its file headers do not name: {names}",
+            )
         sandbox.write_file(test_path, task.test_patch)
-        applied = sandbox.exec(f"( {apply_script(task, agent_path, test_path)} )", timeout=300)
+        script = apply_script(task, agent_path, test_path, base.dropped_files)
+        applied = sandbox.exec(f"( {script} )", timeout=300)
         attempt.durations["apply_s"] = time.monotonic() - t
         result = replace(base, probe=report.to_dict())
         detail = (applied.stderr or applied.stdout).strip()[-1500:]
@@ -266,7 +316,94 @@ class Grader:
             infra_kind=None,
         )
         verdict, reason = _verdict(f2p, p2p, run.timed_out, timeout, outcomes, run.exit_code)
-        return replace(result, verdict=verdict, reason=reason)
+        kinds: list[str] = []
+        if verdict is Verdict.UNRESOLVED:
+            kinds = attribution.attribute(
+                output,
+                timed_out=run.timed_out,
+                exit_code=run.exit_code,
+                oom_kills=_oom_kills(sandbox, applied.stdout),
+                egress_denied=_egress_denied(task, report),
+            )
+        return replace(result, verdict=verdict, reason=reason, attribution=kinds)
+
+
+def private_dir(sandbox: GradingSandbox) -> str:
+    """A fresh directory in the sandbox for this grading's files (``mktemp -d``)."""
+    out = sandbox.exec(
+        f'd=$(mktemp -d /tmp/sandman-grade.XXXXXXXX) && echo "{WORK_MARKER} $d"', timeout=60
+    )
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith(WORK_MARKER + " ")]
+    if out.exit_code != 0 or not lines:
+        detail = (out.stderr or out.stdout).strip()[-500:]
+        raise GradingSandboxRejected(f"cannot make a private directory: {detail}")
+    return lines[-1].split(" ", 1)[1].strip()
+
+
+def hidden_paths(
+    sandbox: GradingSandbox, task: TaskSpec, work: str, patch: bytes, named: list[str]
+) -> list[str]:
+    """Paths ``git apply`` would touch that the broker's parse did not see (sorted).
+
+    The broker decides what to drop from its own parse of the patch; this asks the
+    grading sandbox's git (fresh from the image: nothing the agent ran) for its reading,
+    so a patch crafted to be read one way by the filter and another by ``git apply``
+    is refused instead of applied. A patch git cannot read is left to the apply step.
+    """
+    if not patch.strip():
+        return []
+    out = f"{work}/numstat"
+    q = shlex.quote
+    listed = sandbox.exec(
+        f"cd {q(task.repo_path)} && git -c core.hooksPath=/dev/null -c safe.directory='*' "
+        f"apply --numstat -z -- {q(work)}/agent.patch > {q(out)}",
+        timeout=120,
+    )
+    if listed.exit_code != 0:
+        return []
+    return sorted(set(numstat_paths(sandbox.read_file(out))) - set(named))
+
+
+def numstat_paths(raw: bytes) -> list[str]:
+    """Paths in ``--numstat -z`` output: ``git apply`` names a rename by its new path,
+    ``git diff`` by an empty field followed by the old and the new path."""
+    fields = raw.split(b"\0")
+    paths: list[bytes] = []
+    i = 0
+    while i < len(fields):
+        stat = fields[i].split(b"\t", 2)
+        if len(stat) == 3 and stat[2]:
+            paths.append(stat[2])
+        elif len(stat) == 3:  # "added\tdeleted\t" then old and new names
+            paths += fields[i + 1 : i + 3]
+            i += 2
+        i += 1
+    return [p.decode("utf-8", "surrogateescape") for p in paths]
+
+
+def _counter(text: str) -> int | None:
+    for line in text.splitlines():
+        if line.startswith(OOM_MARKER + " "):
+            with contextlib.suppress(ValueError):
+                return int(line.split()[1])
+    return None
+
+
+def _oom_kills(sandbox: GradingSandbox, before_text: str) -> int:
+    """OOM kills in the sandbox's cgroup during the test run (0 when unreadable)."""
+    before = _counter(before_text)
+    if before is None:
+        return 0
+    try:
+        after = _counter(sandbox.exec(OOM_KILLS, timeout=60).stdout)
+    except SandmanError:
+        return 0
+    return max(0, (after or 0) - before)
+
+
+def _egress_denied(task: TaskSpec, report: ProbeReport) -> bool:
+    observed = report.observed.get("egress") or {}
+    return task.conditions.egress == "denied" or observed.get("state") == "denied"
 
 
 def _verdict(  # noqa: PLR0917

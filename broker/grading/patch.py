@@ -9,12 +9,12 @@ worktree is staged with ``git add -A`` into a temporary index (GIT_INDEX_FILE) s
 from the base tree; ``info/attributes`` of the fresh GIT_DIR (which outranks the
 worktree's ``.gitattributes``) switches off eol conversion, filters and diff drivers;
 ``--no-textconv --no-ext-diff --binary --no-renames`` make the output exact and
-byte-safe. Test files and excluded globs are left out by pathspec.
+byte-safe. Only test-run by-products are left out by pathspec.
 
-The patch travels back as bytes (execd's base64 file read), and the broker filters it
-again on its own side: a replaced ``git`` binary in the sandbox can lie, but it cannot
-smuggle a test-file change past this second check (and the grader restores test files
-from the spec anyway).
+The patch travels back as bytes (execd's base64 file read), and the broker drops test
+paths on its own side (the rule in ``broker.grading.testrules``), so they are reported
+in ``dropped``: a replaced ``git`` binary in the sandbox can lie, but it cannot smuggle
+a test-file change past the broker (and the grader restores test files anyway).
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ import time
 from dataclasses import dataclass, field
 
 from broker.errors import PermanentError
-from broker.grading.patchfmt import filter_patch, glob_to_regex, patch_paths
+from broker.grading.patchfmt import filter_patch, patch_paths
 from broker.grading.seam import GradingSandbox
 from broker.grading.spec import TaskSpec
+from broker.grading.testrules import ALWAYS_DROPPED, is_test_path
 
-ALWAYS_EXCLUDED = ("**/__pycache__/**", "**/*.pyc")  # test-run by-products, not changes
 GIT_OPTS = (
     "-c core.hooksPath=/dev/null -c core.fsmonitor=false -c core.untrackedCache=false "
     "-c core.autocrlf=false -c core.safecrlf=false -c core.symlinks=true "
@@ -74,16 +74,20 @@ class ExtractedPatch:
 
 
 def exclude_pathspecs(task: TaskSpec) -> list[str]:
-    specs = [f":(exclude,literal){p}" for p in task.test_files]
-    specs += [f":(exclude,glob){g}" for g in (*task.exclude_paths, *ALWAYS_EXCLUDED)]
-    return specs
+    """Only by-products are left out in the sandbox: test paths travel to the broker, which
+    drops them by the rule (``broker.grading.testrules``) and reports them as dropped."""
+    return [f":(exclude,glob){g}" for g in ALWAYS_DROPPED]
 
 
 def is_excluded(task: TaskSpec, path: str) -> bool:
-    """Broker-side mirror of the pathspecs (plus anything under .git)."""
-    if path in task.test_files or path == ".git" or path.startswith(".git/"):
-        return True
-    return any(glob_to_regex(g).match(path) for g in (*task.exclude_paths, *ALWAYS_EXCLUDED))
+    """The test-path rule for this task: True when an agent's change to ``path`` is dropped."""
+    return is_test_path(
+        path,
+        test_files=task.test_files,
+        test_command=task.test_command,
+        exclude_paths=task.exclude_paths,
+        allow_paths=task.allow_paths,
+    )
 
 
 def extraction_script(task: TaskSpec) -> str:
@@ -153,7 +157,7 @@ def extract_patch(
     return ExtractedPatch(
         patch=kept,
         files=files,
-        dropped=dropped,
+        dropped=sorted(dropped),
         base_tree=tree.strip(),
         duration_s=time.monotonic() - started,
     )

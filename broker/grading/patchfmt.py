@@ -92,6 +92,12 @@ def _section_paths(data: bytes) -> list[str]:
                     paths.append(p)
         if data.startswith(_HEADER) and line.startswith((b"@@", b"GIT binary patch")):
             break
+    # ``git apply`` also takes a traditional ``---``/``+++`` pair after a section's
+    # hunks as one more file patch: every such pair names paths too (a hunk that removes
+    # a line "-- x" and adds "++ y" is read as a pair as well: dropping more is safe).
+    for first, second in itertools.pairwise(lines):
+        if first.startswith(b"--- ") and second.startswith(b"+++ "):
+            paths += [p for p in (_line_path(first, b"--- "), _line_path(second, b"+++ ")) if p]
     return list(dict.fromkeys(paths))
 
 
@@ -118,13 +124,17 @@ def patch_paths(diff: bytes) -> list[str]:
 
 
 def filter_patch(diff: bytes, drop: Callable[[str], bool]) -> tuple[bytes, list[str]]:
-    """Remove every file section with a path ``drop`` matches: (kept patch, dropped paths)."""
+    """Remove every file section with a path ``drop`` matches: (kept patch, dropped paths).
+
+    A section is dropped whole, so every path it names is reported: a rename from
+    ``pkg/x.py`` into ``tests/x.py`` drops the removal of ``pkg/x.py`` too.
+    """
     _, sections = split_sections(diff)
-    kept, dropped = [], []
+    kept: list[bytes] = []
+    dropped: list[str] = []
     for section in sections:
-        hit = [p for p in section.paths if drop(p)]
-        if hit:
-            dropped += hit
+        if any(drop(p) for p in section.paths):
+            dropped += section.paths
         else:
             kept.append(section.data)
     return b"".join(kept), list(dict.fromkeys(dropped))

@@ -58,6 +58,8 @@ def _brief(result: GradeResult) -> dict[str, Any]:
         "pass_to_pass": result.pass_to_pass,
         "attempts": len(result.attempts),
         "infra_kind": result.infra_kind,
+        "attribution": result.attribution,
+        "dropped_files": result.dropped_files,
         "probe_contradictions": (result.probe or {}).get("contradictions", []),
         "duration_s": round(result.duration_s, 3),
     }
@@ -162,5 +164,10 @@ def markdown(entries: list[PreflightEntry], meta: dict[str, Any], counts: dict[s
         for name, part in (("reference", e.reference), ("empty", e.empty)):
             if part:
                 lines.append(f"- {name}: {part.get('verdict')}: {part.get('reason')}")
+                if part.get("attribution"):
+                    lines.append(f"  - attributed to: {', '.join(part['attribution'])}")
+                if part.get("dropped_files"):
+                    dropped = ", ".join(f"`{p}`" for p in part["dropped_files"])
+                    lines.append(f"  - dropped by the test-path rule: {dropped}")
         lines.append("")
     return "\n".join(lines) + "\n"

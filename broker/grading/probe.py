@@ -106,10 +106,11 @@ def run_probe(
     grader_timeout_s: float | None,
     egress_host: str = "example.com",
     egress_timeout_s: float = 3.0,
+    workdir: str = "/tmp",  # noqa: S108 (inside the sandbox; the grader passes its own)
 ) -> ProbeReport:
     """Send the probe through execd, run it in the tests' shell, and decide."""
     started = time.monotonic()
-    path = f"/tmp/sandman-probe-{sandbox.id[:16]}.py"  # noqa: S108 (inside the sandbox)
+    path = f"{workdir}/sandman-probe-{sandbox.id[:16]}.py"
     sandbox.write_file(path, probe_source())
     args = json.dumps({"egress_host": egress_host, "egress_timeout_s": egress_timeout_s})
     result = sandbox.exec(

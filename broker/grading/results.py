@@ -43,7 +43,12 @@ class GradeResult:
     duration_s: float = 0.0
     patch_sha256: str = ""
     patch_files: list[str] = field(default_factory=list)
-    dropped_files: list[str] = field(default_factory=list)  # test/excluded paths removed
+    # Paths whose agent changes were dropped by the test-path rule (sorted); see
+    # broker/grading/testrules.py. Non-empty on a candidate = it touched the tests.
+    dropped_files: list[str] = field(default_factory=list)
+    # Run conditions a failure shows (egress, timeout, oom, probe_contradiction); see
+    # broker/grading/attribution.py. Empty: the patch's own failure (or no failure).
+    attribution: list[str] = field(default_factory=list)
     test_exit_code: int | None = None
     test_timed_out: bool = False
     output_tail: str = ""

@@ -21,6 +21,7 @@ from typing import Any
 from broker.errors import InvalidRequest
 from broker.grading.patchfmt import patch_paths
 from broker.grading.schema import Issue, task_schema, validate
+from broker.grading.testrules import matches_any
 from broker.wire.validation import parse_memory, validate_image
 
 yaml: Any = importlib.import_module("yaml")  # PyYAML (untyped)
@@ -89,6 +90,7 @@ class TaskSpec:
     test_runner: str = "auto"
     test_files: tuple[str, ...] = ()
     exclude_paths: tuple[str, ...] = DEFAULT_EXCLUDES
+    allow_paths: tuple[str, ...] = ()  # globs exempt from the test-path rule
     test_patch: bytes = b""
     reference_patch: bytes | None = None
     conditions: Conditions = field(default_factory=Conditions)
@@ -175,6 +177,7 @@ class _Parser:
         ref_key = "reference_patch" if "reference_patch" in d else "patch"
         reference = self.patch(ref_key)
         test_files = self.test_files(test_patch)
+        allow_paths = self.allow_paths(test_files)
         repo_path = self.repo_path()
         conditions = self.conditions()
         if self.issues:
@@ -193,6 +196,7 @@ class _Parser:
             pass_to_pass=tuple(p2p),
             test_files=tuple(test_files),
             exclude_paths=tuple(d.get("exclude_paths", DEFAULT_EXCLUDES)),
+            allow_paths=tuple(allow_paths),
             test_patch=test_patch,
             reference_patch=reference,
             conditions=conditions,
@@ -288,6 +292,24 @@ class _Parser:
             elif parts and parts[0] == ".git":
                 self.err(f"$.test_files[{i}]", "paths under .git are not test files")
         return files
+
+    def allow_paths(self, test_files: list[str]) -> list[str]:
+        """Globs exempt from the test-path rule; never a declared test file or .git."""
+        raw = self.doc.get("allow_paths")
+        if not isinstance(raw, list):
+            return []
+        globs = [g for g in raw if isinstance(g, str) and g]
+        for i, glob in enumerate(globs):
+            where = f"$.allow_paths[{i}]"
+            parts = PurePosixPath(glob).parts
+            if glob.startswith("/") or ".." in parts:
+                self.err(where, f"{glob!r} must be a relative glob inside the repo")
+            elif parts and parts[0] == ".git":
+                self.err(where, "paths under .git are never taken from an agent")
+            for name in test_files:
+                if isinstance(name, str) and matches_any(name, [glob]):
+                    self.err(where, f"{glob!r} matches test file {name!r}: the task's tests win")
+        return globs
 
     def conditions(self) -> Conditions:
         raw = self.doc.get("conditions") or {}

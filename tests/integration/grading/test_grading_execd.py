@@ -332,7 +332,8 @@ def test_extraction_from_tampered_rollout_then_grade(
         ".gitattributes",
     }
     assert b"GIT binary patch" in extracted.patch
-    assert extracted.dropped == []  # excluded in the sandbox by pathspec already
+    # test paths travel to the broker and are dropped there by the rule, so they are seen
+    assert extracted.dropped == ["tests/conftest.py", "tests/test_stats.py"]
     assert b"tests/" not in extracted.patch and b"__pycache__" not in extracted.patch
     result = GradingClient(acquire=sandboxes, config=FAST).grade(task, extracted)
     assert result.verdict is Verdict.RESOLVED, result.reason

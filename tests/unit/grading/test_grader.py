@@ -113,17 +113,32 @@ class FakeSandbox:
         self, command: str, *, timeout: float = 60.0, max_output_bytes: int | None = None
     ) -> ExecResult:
         self.commands.append(command)
+        if "mktemp -d" in command:
+            return ExecResult(0, f"SANDMAN-WORK /tmp/sandman-grade.{id(self)}\n", "")
+        if command.startswith("rm -rf"):
+            self.script.setdefault("removed", []).append(command)
+            return ExecResult(0, "", "")
+        if "apply --numstat" in command:
+            self.files[command.rsplit("> ", 1)[1].strip("'")] = self.script.get("numstat", b"")
+            return ExecResult(0, "", "")
+        if "SANDMAN-OOM-KILLS" in command and "SANDMAN-APPLIED" not in command:
+            return ExecResult(0, f"SANDMAN-OOM-KILLS {self.script.get('oom_after', 0)}\n", "")
         if "sandman-probe" in command:
             if self.script.get("lose_on_probe"):
                 raise SandboxLost("pod deleted")
             probe = json.dumps(self.script.get("observed", observed(env={})))
             return ExecResult(0, "SANDMAN-PROBE " + probe + "\n", "")
         if "SANDMAN-APPLIED" in command:
+            self.script.setdefault("applies", []).append(command)
             code = self.script.get("apply_exit", 0)
-            return ExecResult(code, "SANDMAN-APPLIED\n" if code == 0 else "", "apply said no")
+            out = "SANDMAN-OOM-KILLS 0\nSANDMAN-APPLIED\n" if code == 0 else ""
+            return ExecResult(code, out, "apply said no")
         self.script["test_timeout"] = timeout
         return ExecResult(
-            1, "", self.script.get("run", GOOD_RUN), self.script.get("timed_out", False)
+            self.script.get("exit", 1),
+            "",
+            self.script.get("run", GOOD_RUN),
+            self.script.get("timed_out", False),
         )
 
     def read_file(self, path: str) -> bytes:
