@@ -159,6 +159,10 @@ def write_atomic(
         raise os_error(exc, path) from None
     if old is not None and stat.S_ISDIR(old.st_mode):
         raise errors.BadRequest("is a directory: %s" % path, "is_directory")
+    if old is not None and not os.access(target, os.W_OK):
+        # The rename below would replace a file we may not write; refuse as open(path, "w")
+        # does (root with CAP_DAC_OVERRIDE may, exactly as there).
+        raise os_error(PermissionError(errno.EACCES, "Permission denied"), path)
     if mode is None:
         mode = stat.S_IMODE(old.st_mode) if old is not None else 0o666 & ~umask
     tmp = os.path.join(

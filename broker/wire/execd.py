@@ -6,6 +6,7 @@ status means the same thing everywhere:
 
     200                      the reply document
     401 / 403                ExecAuthError   (wrong or missing token: ours, not the agent's)
+    403 ``permission_denied``  ExecError      (the sandbox's file system refused: the agent's)
     429                      ExecBusy        (its bound of runs or sessions is reached: retry)
     404 ``no_session``       ExecSessionNotFound
     4xx ``unknown_user``, ``cannot_switch_user``  ExecUserError
@@ -252,6 +253,7 @@ def decode(status: int, content: bytes, call: Call, who: str) -> dict[str, Any]:
     raise refusal(status, data.get("error") or {}, call)
 
 
+FS_REFUSED = "permission_denied"
 USER_CODES = frozenset({"unknown_user", "cannot_switch_user"})
 
 
@@ -259,6 +261,8 @@ def refusal(status: int, error: dict[str, Any], call: Call) -> SandmanError:
     """The typed error for one of execd's refusals (module doc)."""
     code = str(error.get("code"))
     message = f"{call.path}: {code}: {error.get('message')}"
+    if status == 403 and code == FS_REFUSED:  # EACCES/EPERM/EROFS on the agent's path
+        return ExecError(message, status=status, error_code=code)
     if status in (401, 403):
         return ExecAuthError(message, status=status, error_code="auth")
     if status >= 500:

@@ -63,6 +63,16 @@ def test_statuses_map_onto_the_error_tree(status: int, error: type[Exception]) -
     assert isinstance(info.value, InfrastructureError) == (status >= 500)
 
 
+def test_a_file_system_refusal_is_not_an_auth_error() -> None:
+    """execd answers 403 ``permission_denied`` when the sandbox's file system refuses a
+    path: the agent's doing (a PermissionError to harnesses), not a wrong token."""
+    body = json.dumps({"error": {"code": "permission_denied", "message": "denied"}}).encode()
+    with pytest.raises(ExecError) as info:
+        execd.decode(403, body, execd.read_call("/a"), "execd")
+    assert not isinstance(info.value, ExecAuthError)
+    assert (info.value.status, info.value.error_code) == (403, "permission_denied")
+
+
 def test_non_json_is_a_lost_sandbox() -> None:
     with pytest.raises(SandboxLost):
         execd.decode(200, b"<html>proxy</html>", execd.read_call("/a"), "execd")
