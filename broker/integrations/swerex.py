@@ -73,6 +73,7 @@ from swerex.runtime.abstract import (
 
 from broker.client import AsyncSandbox, AsyncSandboxClient
 from broker.errors import ExecError, SandmanError
+from broker.integrations.common import file_error
 
 __all__ = ["SandmanDeployment", "SandmanRuntime"]
 
@@ -197,7 +198,7 @@ class SandmanRuntime(AbstractRuntime):
         try:
             data = await self.sandbox.read_file(request.path)
         except ExecError as exc:
-            raise _file_error(exc, request.path) from exc
+            raise file_error(exc, request.path) from exc
         return ReadFileResponse(
             content=data.decode(request.encoding or "utf-8", request.errors or "strict")
         )
@@ -206,7 +207,7 @@ class SandmanRuntime(AbstractRuntime):
         try:
             await self.sandbox.write_file(request.path, request.content)
         except ExecError as exc:
-            raise _file_error(exc, request.path) from exc
+            raise file_error(exc, request.path) from exc
         return WriteFileResponse()
 
     async def upload(self, request: UploadRequest) -> UploadResponse:
@@ -244,17 +245,6 @@ def _raise_nonzero(action: BashAction, exit_code: int | None, output: str) -> No
         f"Here is the output:\n{output!r}"
     )
     raise NonZeroExitCodeError(f"{action.error_msg}: {message}" if action.error_msg else message)
-
-
-def _file_error(exc: ExecError, path: str) -> Exception:
-    """execd's refusals as the OSErrors the local runtime raises."""
-    if exc.status == 404:
-        return FileNotFoundError(errno.ENOENT, "No such file or directory", path)
-    if exc.status == 403:
-        return PermissionError(errno.EACCES, "Permission denied", path)
-    if exc.status == 400 and "directory" in str(exc):
-        return IsADirectoryError(errno.EISDIR, "Is a directory", path)
-    return exc
 
 
 class SandmanDeployment(AbstractDeployment):
