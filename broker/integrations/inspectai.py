@@ -88,11 +88,15 @@ class SandmanSandboxConfig(BaseModel):
 
     image: str
     job: str
-    cpu: float | str = 1
+    cpu: float | str = 1.0
     memory: str = "1Gi"
     workdir: str | None = None
     redis_url: str | None = None
     acquire: dict[str, Any] = {}
+
+    def __hash__(self) -> int:
+        """Inspect keys its sandbox cache by config; ``acquire`` is a dict, so hash the JSON."""
+        return hash(self.model_dump_json())
 
 
 def _config(config: SandboxEnvironmentConfigType | None) -> SandmanSandboxConfig:
