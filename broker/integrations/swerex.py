@@ -73,7 +73,7 @@ from swerex.runtime.abstract import (
 
 from broker.client import AsyncSandbox, AsyncSandboxClient
 from broker.errors import ExecError, SandmanError
-from broker.integrations.common import file_error
+from broker.integrations.common import HELD, file_error
 
 __all__ = ["SandmanDeployment", "SandmanRuntime"]
 
@@ -300,6 +300,7 @@ class SandmanDeployment(AbstractDeployment):
         except SandmanError as exc:
             await self.stop()
             raise DeploymentStartupError(f"no Sandman sandbox: {exc}") from exc
+        HELD.add(self._sandbox.id, self._client)  # released at exit if stop() never runs
         self._runtime = SandmanRuntime(self._sandbox, logger=self.logger)
 
     async def stop(self) -> None:
@@ -312,6 +313,7 @@ class SandmanDeployment(AbstractDeployment):
         finally:
             try:
                 if sandbox is not None:
+                    HELD.discard(sandbox.id)
                     await sandbox.release()
             finally:
                 if client is not None:
