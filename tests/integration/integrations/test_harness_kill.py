@@ -102,6 +102,9 @@ def job(sessions: Any) -> str:
 def _start(harness: str, mode: str, stack: Settings, job: str) -> tuple[subprocess.Popen[str], str]:
     """The harness process and the id of the sandbox it holds."""
     prelude = (
+        # Ctrl-C as at a terminal: a shell without job control starts background commands
+        # (a backgrounded pytest, say) with SIGINT ignored, and Python keeps it ignored.
+        "import signal; signal.signal(signal.SIGINT, signal.default_int_handler)\n"
         f"IMAGE, JOB, URL, MODE, SLEEP = "
         f"{IMAGE!r}, {job!r}, {stack.redis_url!r}, {mode!r}, {_sleep(job)!r}\n"
     )
