@@ -18,7 +18,7 @@ for _module in ("broker.grading.grade", "broker.grading.patch", "broker.grading.
     importlib.import_module(_module)
 
 GROUPS = {SandmanError, TemporaryError, PermanentError, errors.InfrastructureError,
-          errors.KubeError}  # fmt: skip
+          errors.KubeError, errors.ExecError}  # fmt: skip
 
 
 def _tree() -> set[type[SandmanError]]:
