@@ -134,10 +134,13 @@ class FakeSandbox:
             out = "SANDMAN-OOM-KILLS 0\nSANDMAN-APPLIED\n" if code == 0 else ""
             return ExecResult(code, out, "apply said no")
         self.script["test_timeout"] = timeout
+        run = self.script.get("run", GOOD_RUN)
+        # unittest's exit status: 1 when a test failed (or no test ran), else 0.
+        failed = " ... FAIL" in run or " ... ok" not in run
         return ExecResult(
-            self.script.get("exit", 1),
+            self.script.get("exit", 1 if failed else 0),
             "",
-            self.script.get("run", GOOD_RUN),
+            run,
             self.script.get("timed_out", False),
         )
 
@@ -186,6 +189,14 @@ def test_resolved_unresolved_and_request_shape() -> None:
     bad = Grader(FakeAcquire({"run": BAD_RUN}), CFG).grade(task(), b"")
     assert bad.verdict is Verdict.UNRESOLVED and bad.reward == 0.0
     assert "FAIL_TO_PASS not passing" in bad.reason
+
+
+def test_non_zero_exit_without_a_failing_test_is_unresolved() -> None:
+    """The log says every test passed but the test command failed: the log does not
+    describe the run (fake status lines), so it is not rewarded (as SWE-bench does)."""
+    lying = Grader(FakeAcquire({"run": GOOD_RUN, "exit": 1}), CFG).grade(task(), b"")
+    assert lying.verdict is Verdict.UNRESOLVED and lying.reward == 0.0
+    assert "exited 1 but its output reports no failing test" in lying.reason
 
 
 def test_timeout_no_output_and_non_applying_patch_are_unresolved() -> None:
