@@ -141,8 +141,12 @@ class Grader:
         c = task.conditions
         return SandboxRequest(
             image=task.image_ref,
-            cpu=c.cpus if c.cpus is not None else self.config.cpu,
-            memory_b=c.memory_b if c.memory_b is not None else parse_memory(self.config.memory),
+            cpu=c.cpus if c.cpus is not None else max(self.config.cpu, c.min_cpus or 0.0),
+            memory_b=(
+                c.memory_b
+                if c.memory_b is not None
+                else max(parse_memory(self.config.memory), c.min_memory_b or 0)
+            ),
             env=c.env(),
             workdir=task.repo_path,
             base_commit=task.base_commit,

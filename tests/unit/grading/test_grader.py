@@ -93,6 +93,56 @@ def test_probe_contradictions(field: str, obs: dict[str, Any], timeout: float | 
     assert [f for f, s in checks.items() if s == "contradiction"] == [field]
 
 
+AT_LEAST = Conditions(min_cpus=2.0, min_memory_b=2 << 30)
+
+
+@pytest.mark.parametrize(
+    ("cpu", "memory", "want"),
+    [
+        # min_cpus: the quota capped by the visible CPUs; min_memory: the cgroup limit.
+        ({"quota_readable": True, "quota_cpus": 4.0, "visible": 8}, 4 << 30, ("ok", "ok")),
+        ({"quota_readable": True, "quota_cpus": 2.0, "visible": 2}, 2 << 30, ("ok", "ok")),
+        ({"quota_readable": True, "quota_cpus": None, "visible": 2}, None, ("ok", "ok")),
+        ({"quota_readable": False, "visible": 3}, None, ("ok", "ok")),
+        (
+            {"quota_readable": True, "quota_cpus": 1.5, "visible": 8},
+            1 << 30,
+            ("contradiction", "contradiction"),
+        ),
+        (
+            {"quota_readable": True, "quota_cpus": 4.0, "visible": 1},
+            (2 << 30) - (1 << 20),  # within 1%
+            ("contradiction", "ok"),
+        ),
+        ({"quota_readable": True, "quota_cpus": None, "visible": 1}, None, ("contradiction", "ok")),
+        ({"quota_readable": False, "visible": None}, None, ("unreadable", "ok")),
+    ],
+)
+def test_probe_at_least_conditions(
+    cpu: dict[str, Any], memory: int | None, want: tuple[str, str]
+) -> None:
+    """min_cpus/min_memory mean "at least": more is fine, unlimited memory is fine."""
+    obs = observed(cpu=cpu, memory={"readable": True, "limit_b": memory, "cgroup": "v2"})
+    checks = statuses(decide(AT_LEAST, obs, grader_timeout_s=600))
+    assert (checks["min_cpus"], checks["min_memory"]) == want
+    assert checks["memory"] == "not_declared"  # the exact fields are not checked
+    assert checks["cpus"] in ("not_declared", "unreadable")
+    unreadable = observed(memory={"readable": False, "error": "no cgroup"})
+    assert statuses(decide(AT_LEAST, unreadable, grader_timeout_s=600))["min_memory"] == (
+        "unreadable"
+    )
+    # Undeclared, the at-least fields are not checked (no line in the report).
+    assert "min_cpus" not in statuses(decide(Conditions(), obs, grader_timeout_s=600))
+
+
+def test_at_least_conditions_size_the_request() -> None:
+    grader = Grader(FakeAcquire({}), GradeConfig(cpu=1.0, memory="2Gi"))
+    more = dataclasses.replace(task(), conditions=Conditions(min_cpus=3.0, min_memory_b=8 << 30))
+    assert (grader.request_for(more).cpu, grader.request_for(more).memory_b) == (3.0, 8 << 30)
+    less = dataclasses.replace(task(), conditions=Conditions(min_cpus=0.5, min_memory_b=1 << 30))
+    assert (grader.request_for(less).cpu, grader.request_for(less).memory_b) == (1.0, 2 << 30)
+
+
 def test_probe_unreadable_is_reported_not_passed() -> None:
     obs = observed(memory={"readable": False, "error": "no cgroup"}, cpu={"visible": None})
     checks = statuses(decide(DECLARED, obs, grader_timeout_s=600))

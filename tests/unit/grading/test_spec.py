@@ -217,3 +217,23 @@ def test_pytest_summary_ids_with_dashes_and_brackets() -> None:
         "t.py::test_r[a]": "xfail",
         "t.py::test_s[a]]": "xpass",
     }
+
+
+def test_at_least_conditions() -> None:
+    spec = parse_task(minimal(conditions={"min_cpus": 2, "min_memory": "3Gi"}))
+    assert (spec.conditions.min_cpus, spec.conditions.min_memory_b) == (2.0, 3 << 30)
+    assert spec.conditions.cpus is None and spec.conditions.memory_b is None
+    with pytest.raises(TaskSpecError) as info:
+        parse_task(
+            minimal(conditions={"cpus": 1, "min_cpus": 2, "memory": "1Gi", "min_memory": "1Gi"})
+        )
+    assert {i.path for i in info.value.issues} == {
+        "$.conditions.min_cpus",
+        "$.conditions.min_memory",
+    }
+    with pytest.raises(TaskSpecError) as info:
+        parse_task(minimal(conditions={"min_memory": "2GB", "min_cpus": 0}))
+    assert {i.path for i in info.value.issues} == {
+        "$.conditions.min_memory",
+        "$.conditions.min_cpus",
+    }
