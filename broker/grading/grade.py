@@ -153,6 +153,7 @@ class Grader:
             image_digest=task.image_digest,
             role="grading",
             timeout_s=self.config.acquire_timeout_s,
+            visible_cpus=c.visible_cpus,
         )
 
     def timeout_for(self, task: TaskSpec) -> float:
