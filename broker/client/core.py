@@ -50,6 +50,7 @@ ACQUIRE_DEFAULTS: dict[str, Any] = {
     "base_commit": None,
     "workdir": "/",
     "env": None,
+    "visible_cpus": None,
 }
 ACQUIRE_ARGS = frozenset({"image", "job", *ACQUIRE_DEFAULTS})
 
@@ -131,6 +132,12 @@ def acquire_seconds(request: dict[str, Any], now: float) -> float:
 
 
 # -- warm pools -------------------------------------------------------------------------
+
+
+def warm_eligible(request: dict[str, Any]) -> bool:
+    """Can a warm pod serve this request? Not one that asks for visible CPUs: warm pods
+    were started without the pinning (execd applies it at start)."""
+    return request.get("visible_cpus") is None
 
 
 def warm_claim(request: dict[str, Any]) -> tuple[list[str], list[Any]]:

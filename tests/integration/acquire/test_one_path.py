@@ -144,3 +144,14 @@ def test_a_warm_hand_out_locks_its_row_once(
         assert row is not None and row.state == State.READY and row.owner == "trainer"
         assert row.request_id == request.request_id and row.pool_key is None
         assert row.enqueued_at == enqueued_at and (row.acquire_latency_s or 0) > 0
+
+
+def test_visible_cpus_reach_the_sandbox_commands(broker: Broker) -> None:
+    """A request's visible_cpus is delivered: the local sandbox's execd pins itself, so a
+    command in it sees that many CPUs (nproc reads the affinity)."""
+    from broker.grading.direct import DirectSandbox
+
+    lease = broker.acquire(_request(timeout=30, visible_cpus=1))
+    with DirectSandbox(lease.address, lease.token, sandbox_id=lease.sandbox_id) as sb:
+        assert sb.exec("nproc").stdout.strip() == "1"
+        assert "SANDMAN_EXECD_VISIBLE_CPUS=1" in sb.exec("env").stdout
