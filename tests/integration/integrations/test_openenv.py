@@ -10,7 +10,10 @@ The pinned ``openenv`` package drives every episode: ``CollectRunner`` and
 from __future__ import annotations
 
 import json
+import os
 import secrets
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -32,6 +35,7 @@ from broker.integrations.openenv import SandboxTask, SandmanSession, SandmanSess
 from broker.ledger import store
 from broker.ledger.models import Sandbox
 from broker.ledger.states import State
+from broker.names import Queue, Task
 from broker.settings import Settings
 from tests.support.wait import wait_until
 
@@ -290,3 +294,71 @@ def test_the_sandbox_is_released_when_the_rollout_raises(
         factory.create({"prompt": "p", "check": "true", "files": {"relative.txt": "x"}})
     assert len(factory.made) == 2
     wait_until(lambda: not _live_of_job(sessions, job), 60, 0.2, "no live sandbox of the job")
+
+
+HARNESS = """
+import pathlib, sys, time
+from openenv.core.harness import MCPHarnessAdapter, ModelStepResult
+from openenv.core.harness.collect import CollectRunner, RolloutSerializer
+from openenv.core.llm_client import LLMResponse, ToolCall
+from broker.client import SandboxClient
+from broker.integrations.openenv import SandboxTask, SandmanSessionFactory
+
+redis_url, job, image, marker, out = sys.argv[1:]
+
+class Factory(SandmanSessionFactory):
+    def create(self, task, seed=None, episode_id=None):
+        self.current = super().create(task, seed=seed, episode_id=episode_id)
+        return self.current
+
+factory = Factory(SandboxClient(redis_url), image=image, job=job, timeout=60)
+
+def step(messages, tools, sampling):
+    if any(m["role"] == "tool" for m in messages):  # mid-episode: say so, then hang
+        pathlib.Path(marker + ".tmp").write_text(factory.current.sandbox.id)
+        pathlib.Path(marker + ".tmp").rename(marker)
+        time.sleep(3600)
+    call = ToolCall("c1", "bash", {"command": "echo held"})
+    return ModelStepResult(response=LLMResponse(content="", tool_calls=[call]))
+
+CollectRunner(
+    session_factory=factory, harness_adapter=MCPHarnessAdapter(),
+    serializer=RolloutSerializer(out), tasks=[SandboxTask(prompt="p", check="true")],
+).run(model_step=step, num_episodes=1)
+"""
+
+
+def test_the_gc_reclaims_the_sandbox_of_a_killed_harness(
+    stack: Settings, sessions: Any, tmp_path: Path
+) -> None:
+    """SIGKILL runs no finally: the sandbox a killed OpenEnv process held is left to its
+    lease (3 s here, no more heartbeats) and the GC deletes it."""
+    job = f"openenv-kill-{secrets.token_hex(3)}"
+    with sessions.begin() as session:
+        store.ensure_job(session, job, lease_s=3.0)
+    marker = tmp_path / "sandbox-id"
+    argv = [sys.executable, "-c", HARNESS, stack.redis_url, job, IMAGE, str(marker)]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3])}
+    proc = subprocess.Popen(
+        [*argv, str(tmp_path / "out")], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    try:
+        wait_until(lambda: marker.exists() or proc.poll() is not None, 120, 0.2, "mid-episode")
+        assert marker.exists(), proc.communicate()[1].decode()[-3000:]
+        sandbox_id = marker.read_text()
+        with sessions() as session:
+            row = session.get(Sandbox, sandbox_id)
+            assert row is not None and row.state == State.READY
+    finally:
+        proc.kill()
+        proc.communicate()
+    client = SandboxClient(stack.redis_url)
+    try:
+
+        def reclaimed() -> bool:
+            client.send(Task.GC, [], Queue.POOL)
+            return _all_released(sessions, [sandbox_id])
+
+        wait_until(reclaimed, 120, 1.0, "the GC to delete the killed harness's sandbox")
+    finally:
+        client.close()
