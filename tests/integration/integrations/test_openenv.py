@@ -362,3 +362,35 @@ def test_the_gc_reclaims_the_sandbox_of_a_killed_harness(
         wait_until(reclaimed, 120, 1.0, "the GC to delete the killed harness's sandbox")
     finally:
         client.close()
+
+
+def test_tool_contract(factory: RecordingFactory, sessions: Any) -> None:
+    """What the agent gets back for each tool, including its own mistakes."""
+    with factory.create(TASK) as session:
+        assert session.initial_messages() == [{"role": "user", "content": TASK.prompt}]
+        assert [t.name for t in session.list_tools()] == [
+            "bash",
+            "read_file",
+            "write_file",
+            "submit",
+        ]
+        first = session.call_tool("bash", {"command": "cd /workspace && export A=1; false"})
+        assert first.data["exit_code"] == 1 and not first.done
+        second = session.call_tool("bash", {"command": "pwd; echo $A; echo e >&2"})
+        assert second.data == {"exit_code": 0, "output": "/workspace\n1\ne\n"}
+        session.command_timeout = 1.0
+        slow = session.call_tool("bash", {"command": "sleep 60"})
+        assert slow.metadata["timed_out"] and "[timed out" in slow.data["output"]
+        wrote = session.call_tool("write_file", {"path": "/workspace/n/x.txt", "content": "hé"})
+        assert wrote.data == "wrote 3 bytes to /workspace/n/x.txt"
+        assert session.call_tool("read_file", {"path": "/workspace/n/x.txt"}).data == "hé"
+        refused = session.call_tool("write_file", {"path": "/workspace", "content": "x"})
+        assert refused.error is not None and refused.data.startswith("error:")
+        with pytest.raises(KeyError):
+            session.call_tool("rm_rf", {})
+        with pytest.raises(ValueError):
+            session.call_tool("bash", {})
+        assert session.call_tool("submit", {}).done
+        assert session.verify([]).env_reward == 0.0  # the bug is still there
+    ids = [s.sandbox.id for s in factory.made]
+    wait_until(lambda: _all_released(sessions, ids), 60, 0.2, "the sandbox released")
