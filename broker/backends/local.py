@@ -35,6 +35,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from broker import failpoints
 from broker.backends.base import LABEL_INSTALLATION, LABEL_NONCE, PodInfo, PodSpec
 from broker.errors import GuardMissing, KubeConflict, KubeUnavailable
 from broker.settings import Settings
@@ -140,6 +141,7 @@ class LocalBackend:
         self.execd_dir = execd_dir or REPO_ROOT / "execd"
         self.python, self.python_prefix = _sandbox_python(self.hidden)
         self.bwrap = shutil.which("bwrap")
+        self.failpoint = failpoints.armed(settings.failpoint)
 
     # -- guards: nothing cluster-side to install locally -------------------------------
 
@@ -277,6 +279,7 @@ class LocalBackend:
         with _children_lock:
             _children[proc.pid] = proc
         _reap_exited()
+        self.failpoint("after-sandbox-start")
         child = self._read_info(read_fd)
         meta.update(pid=proc.pid, start=_proc_start(proc.pid), child_pid=child, port=port)
         tmp = meta_path.with_suffix(".tmp")
