@@ -323,8 +323,13 @@ class LocalBackend:
         self.failpoint("after-sandbox-start")
         child = self._read_info(read_fd)
         meta.update(pid=proc.pid, child_pid=child)
-        with contextlib.suppress(OSError):  # a cache: without it `get` scans instead
-            _write_durably(meta_path, meta, exclusive=False)
+        # A cache (without it `get` scans instead), written under the record's lock and
+        # only while the record exists: a delete that won the race (a GC settling a
+        # create it thought dead) is not undone; its process is then listed from its
+        # marker and removed as a late pod.
+        with self._record_lock(spec.name), contextlib.suppress(OSError):
+            if meta_path.exists():
+                _write_durably(meta_path, meta, exclusive=False)
         return self._info(meta)
 
     @staticmethod
@@ -411,7 +416,7 @@ class LocalBackend:
         The record stays until the processes are confirmed gone, so a failed or
         interrupted delete leaves the sandbox findable for the retry. Concurrent deletes
         of one sandbox (a release and a GC pass) take turns on the record's lock."""
-        with self._record_lock(name):
+        with self._record_lock(name) as lock:
             meta = self._load(name)
             if meta is not None and meta["labels"].get(LABEL_NONCE) != nonce:
                 return False  # replaced under the same name: not the pod the caller owns
@@ -431,6 +436,7 @@ class LocalBackend:
                 time.sleep(0.02)
                 ours = self._processes(name, nonce)
             self._forget(name, meta)
+            lock.unlink(missing_ok=True)
         return True
 
     def _forget(self, name: str, meta: dict[str, Any] | None) -> None:
@@ -441,13 +447,24 @@ class LocalBackend:
         self._meta_path(name).unlink(missing_ok=True)
 
     @contextlib.contextmanager
-    def _record_lock(self, name: str) -> Iterator[None]:
+    def _record_lock(self, name: str) -> Iterator[Path]:
+        """An exclusive flock on ``.locks/<name>``, yielding its path. A delete removes the
+        file while holding it, so a waiter re-checks that the file it locked is still the
+        one at the path (else it locks the new one): one file per live sandbox, no pile."""
         locks = self.root / ".locks"
         locks.mkdir(exist_ok=True)
-        fd = os.open(locks / name, os.O_CREAT | os.O_RDWR, 0o600)
-        try:
+        path = locks / name
+        while True:
+            fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
             fcntl.flock(fd, fcntl.LOCK_EX)
-            yield
+            try:
+                if os.fstat(fd).st_ino == os.stat(path).st_ino:
+                    break
+            except FileNotFoundError:
+                pass
+            os.close(fd)
+        try:
+            yield path
         finally:
             os.close(fd)
 

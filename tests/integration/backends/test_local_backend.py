@@ -151,6 +151,7 @@ def test_ports_come_from_a_claimed_range_outside_the_ephemeral_one(
     for i, name in enumerate(names):
         backend.delete("ns", name, f"n-{i}")
     assert not {int(p.name) for p in locks.iterdir()} & set(ports)
+    assert not any((backend.root / ".locks").iterdir()), "no record lock outlives its sandbox"
 
 
 def test_a_sandbox_is_found_by_its_marker_alone_and_deleted_by_nonce(
