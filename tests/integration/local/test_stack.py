@@ -64,13 +64,18 @@ class Up:
         return self.log.read_text(errors="replace")[-3000:] if self.log.exists() else ""
 
     def children(self) -> dict[str, int]:
-        """The children the running stack recorded (empty until it is ready)."""
+        """The children the running stack recorded (empty until it is ready).
+
+        Only a marker written by THIS stack counts: a SIGKILLed stack's marker stays on
+        disk, and reading it as "ready" let the test run ahead of the new stack's drain."""
         assert self.proc is not None
         if self.proc.poll() is not None:
             pytest.fail(f"stack exited ({self.proc.returncode}):\n{self.tail()}")
         try:
             data = json.loads((self.state / "run" / "stack.json").read_text())
         except (OSError, ValueError):
+            return {}
+        if data.get("pid") != self.proc.pid:
             return {}
         return {k: int(v) for k, v in data["children"].items()}
 
