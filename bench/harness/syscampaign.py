@@ -346,7 +346,7 @@ def run(cfg: Config, progress: Callable[[str], None] = lambda s: None) -> Result
         result.violations["gc_actions_pending"] = len(after.actions)
         result.details += [f"pending after GC: {a}" for a in after.actions]
         _final_ownership(stack, world.running(), sessions, result)
-        _final_audit(provider, world.running, result, run_audit)
+        _final_audit(provider, world.running, world.sentinels, result, run_audit)
         leaks = scan_secrets(stack, sessions)
         result.violations["secrets_in_logs_or_ledger"] = len(leaks)
         result.details += leaks
@@ -369,15 +369,22 @@ def run(cfg: Config, progress: Callable[[str], None] = lambda s: None) -> Result
 
 
 def _final_audit(
-    provider: Any, running: Callable[[], set[str]], result: Result, run_audit: Any
+    provider: Any,
+    running: Callable[[], set[str]],
+    sentinels: set[str],
+    result: Result,
+    run_audit: Any,
 ) -> None:
     """``sandman audit`` after the last GC pass, against the world's own count: they must
-    agree, and the audit must be OK (no unowned or late pods, no dangling rows)."""
+    agree, and the audit must be OK (no unowned or late pods, no dangling rows) but for
+    the sentinels the world planted on purpose, which the audit must report and the GC
+    must leave alone."""
     audit = run_audit(provider)
     result.audit_pods = sum(audit.pods_by_job.values())
     independent = running()
     result.independent_pods = len(independent)
-    if not audit.ok:
+    unexpected = set(audit.gc.unowned_pods) - sentinels
+    if unexpected or audit.gc.late_pods or audit.gc.dangling_rows:
         result.violations["audit_not_ok"] += 1
         result.details.append(f"audit NOT OK: {audit.to_dict()}")
     if result.audit_pods != result.independent_pods:
