@@ -2,10 +2,13 @@
 
 Isolation chosen, and why:
 - own PID, IPC, UTS (and cgroup, where allowed) namespaces; all capabilities dropped;
-  the host root mounted READ-ONLY as the "image" (the image name is recorded, not
-  pulled), a private writable workspace, a private /tmp, the broker's state dir and
-  $HOME hidden behind empty tmpfs (they hold the database and Redis passwords), and the
-  repository's execd bound read-only at /sandman/execd.
+- the sandbox is rooted in its task image: the image comes from the local image store
+  (``broker.images``, ``sandman image import``), is unpacked once per digest, and each
+  sandbox gets its own writable layer over it (``broker.backends.localroot``). Nothing of
+  the host is visible but the repository's execd (read-only, /sandman/execd), /proc, a
+  minimal /dev, a private /tmp, the workspace and, for an image without python3, the
+  host interpreter execd runs on. An image missing from the store is ``ImageNotFound``
+  from ``check_image``, before any ledger row or process exists.
 - NOT a network namespace: execd must stay reachable from the broker and trainers on
   127.0.0.1:<port> in the host netns, and an unshared netns would cut it off. So the
   local backend cannot deny egress; it reports no egress guard and the provider
@@ -36,7 +39,9 @@ from pathlib import Path
 from typing import Any
 
 from broker.backends.base import LABEL_INSTALLATION, LABEL_NONCE, PodInfo, PodSpec
-from broker.errors import GuardMissing, KubeConflict, KubeUnavailable
+from broker.backends.localroot import SandboxRoot, host_python, image_python, overlay_works
+from broker.errors import GuardMissing, ImageInvalid, ImageNotFound, KubeConflict, KubeUnavailable
+from broker.images.store import ImageStore
 from broker.settings import Settings
 
 REPO_ROOT = Path(__file__).resolve().parent.parent.parent
@@ -133,13 +138,24 @@ class LocalBackend:
 
     name = "local"
 
-    def __init__(self, settings: Settings, *, execd_dir: Path | None = None) -> None:
+    def __init__(
+        self, settings: Settings, *, execd_dir: Path | None = None, host_root: bool = False
+    ) -> None:
+        """``host_root`` runs sandboxes on the host's root, read-only, ignoring the image:
+        the pre-image behaviour, kept ONLY so bench/local_images.py can measure it."""
         self.root = Path(settings.state_dir) / "local-pods"
         self.root.mkdir(parents=True, exist_ok=True)
         self.hidden = [Path(settings.state_dir), Path.home()]
         self.execd_dir = execd_dir or REPO_ROOT / "execd"
         self.python, self.python_prefix = _sandbox_python(self.hidden)
         self.bwrap = shutil.which("bwrap")
+        self.images = ImageStore.at_cache(settings.cache_dir)
+        self.host_root = host_root
+
+    def check_image(self, image: str) -> None:
+        """ImageNotFound unless ``image`` (a ref or a digest) is in the local store."""
+        if not self.host_root:
+            self.images.resolve(image)
 
     # -- guards: nothing cluster-side to install locally -------------------------------
 
@@ -160,23 +176,47 @@ class LocalBackend:
     def _workspace(self, name: str) -> Path:
         return self.root / name / "workspace"
 
-    def _argv(self, spec: PodSpec, port: int, workspace: Path, info_fd: int) -> list[str]:
+    def _sandbox_root(self, spec: PodSpec) -> SandboxRoot | None:
+        """Unpack the image if this is its first use, then lay the sandbox's own writable
+        layer over it (None on the benchmark-only host root)."""
+        if self.host_root:
+            return None
+        rootfs = self.images.rootfs(self.images.resolve(spec.image))
+        root = SandboxRoot(rootfs, self.root / spec.name, overlay=overlay_works(self.root))
+        root.prepare()
+        return root
+
+    def _image_argv(self, spec: PodSpec, root: SandboxRoot) -> tuple[list[str], list[str]]:
+        """bwrap's first arguments on an image root, and the python that runs execd."""
+        assert self.bwrap is not None
+        argv = [self.bwrap, "--bind", str(root.merged), "/", "--dev", "/dev", "--proc", "/proc"]
+        python = image_python(root.rootfs)
+        if python is None:
+            hosted = host_python()
+            argv += hosted.binds()
+            command = hosted.command()
+        else:
+            command = [python]
+        for item in self.images.config(self.images.resolve(spec.image)).get("Env") or []:
+            key, sep, value = str(item).partition("=")
+            if sep and key:
+                argv += ["--setenv", key, value]
+        return argv, command
+
+    def _argv(
+        self,
+        spec: PodSpec,
+        port: int,
+        workspace: Path,
+        info_fd: int,
+        root: SandboxRoot | None = None,
+    ) -> list[str]:
         if self.bwrap is None:
             raise KubeUnavailable("bubblewrap (bwrap) is not installed: apt-get install bubblewrap")
-        # The root is a fresh tmpfs: every top-level host directory is bound read-only
-        # into it, so mount points for the workspace and execd can be created.
-        argv = [self.bwrap]
-        for entry in sorted(os.listdir("/")):
-            if entry in _SKIP_TOP or not os.path.isdir("/" + entry):
-                continue
-            if os.path.islink("/" + entry):
-                argv += ["--symlink", os.readlink("/" + entry), "/" + entry]
-            else:
-                argv += ["--ro-bind", "/" + entry, "/" + entry]
-        argv += ["--dev", "/dev", "--proc", "/proc"]
-        for hidden in self.hidden:
-            if hidden.exists() and hidden != Path("/"):
-                argv += ["--tmpfs", str(hidden)]
+        if root is not None:
+            argv, python = self._image_argv(spec, root)
+        else:
+            argv, python = self._host_root_argv(), [self.python]
         workdir = (
             spec.workdir if spec.workdir.count("/") == 1 and len(spec.workdir) > 1 else "/workspace"
         )
@@ -212,7 +252,7 @@ class LocalBackend:
             argv += ["--setenv", key, value]
         argv += [
             "--",
-            self.python,
+            *python,
             "-m",
             "execd",
             "--listen",
@@ -220,6 +260,24 @@ class LocalBackend:
             "--workdir",
             workdir,
         ]
+        return argv
+
+    def _host_root_argv(self) -> list[str]:
+        """The benchmark-only host root: a fresh tmpfs with every top-level host directory
+        bound read-only into it, the state dir and $HOME hidden."""
+        assert self.bwrap is not None
+        argv = [self.bwrap]
+        for entry in sorted(os.listdir("/")):
+            if entry in _SKIP_TOP or not os.path.isdir("/" + entry):
+                continue
+            if os.path.islink("/" + entry):
+                argv += ["--symlink", os.readlink("/" + entry), "/" + entry]
+            else:
+                argv += ["--ro-bind", "/" + entry, "/" + entry]
+        argv += ["--dev", "/dev", "--proc", "/proc"]
+        for hidden in self.hidden:
+            if hidden.exists() and hidden != Path("/"):
+                argv += ["--tmpfs", str(hidden)]
         return argv
 
     def create(self, spec: PodSpec) -> PodInfo:
@@ -248,8 +306,10 @@ class LocalBackend:
         read_fd, write_fd = os.pipe()
         token_fd = _token_pipe(spec.token)
         try:
+            root = self._sandbox_root(spec)
+            argv = self._argv(spec, port, workspace, write_fd, root)
             proc = subprocess.Popen(
-                self._argv(spec, port, workspace, write_fd),
+                root.wrap(argv) if root is not None else argv,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=log,
@@ -265,11 +325,12 @@ class LocalBackend:
                     "SANDMAN_EXECD_TOKEN_FD": str(token_fd),
                 },
             )
-        except (OSError, KubeUnavailable) as exc:
-            os.close(read_fd)
-            meta_path.unlink(missing_ok=True)
-            self._release_port(port)
+        except (OSError, KubeUnavailable, subprocess.CalledProcessError) as exc:
+            self._abort_create(spec.name, read_fd, port)
             raise KubeUnavailable(f"cannot start bwrap: {exc}") from exc
+        except (ImageNotFound, ImageInvalid):
+            self._abort_create(spec.name, read_fd, port)
+            raise
         finally:
             os.close(write_fd)
             os.close(token_fd)
@@ -283,6 +344,13 @@ class LocalBackend:
         tmp.write_text(json.dumps(meta))
         tmp.replace(meta_path)
         return self._info(meta)
+
+    def _abort_create(self, name: str, read_fd: int, port: int) -> None:
+        """Nothing was started: drop what create made so far (meta, sandbox dir, port)."""
+        os.close(read_fd)
+        shutil.rmtree(self.root / name, ignore_errors=True)
+        self._meta_path(name).unlink(missing_ok=True)
+        self._release_port(port)
 
     @staticmethod
     def _read_info(read_fd: int) -> int | None:
