@@ -27,19 +27,21 @@ def register(group: click.Group) -> None:
         """The local image store (SANDMAN_CACHE_DIR/local-images) of the local backend."""
 
     @image.command("import")
-    @click.argument("source", metavar="FILE|-")
+    @click.argument("sources", metavar="FILE...|-", nargs=-1, required=True)
     @click.option("--tag", "tags", multiple=True, help="Also name the image REF (repeatable).")
     @click.option("--unpack", is_flag=True, help="Unpack now instead of at the first sandbox.")
     @click.pass_context
-    def import_(ctx: click.Context, source: str, tags: tuple[str, ...], unpack: bool) -> None:
-        """Import a docker-archive (docker save) or OCI archive; FILE '-' reads stdin."""
+    def import_(
+        ctx: click.Context, sources: tuple[str, ...], tags: tuple[str, ...], unpack: bool
+    ) -> None:
+        """Import docker-archives (docker save) or OCI archives; '-' reads stdin."""
         store = _store(ctx)
         try:
-            stored = store.import_archive(open_source(source), tags)
-            for item in stored:
-                if unpack:
-                    store.rootfs(item.digest)
-                click.echo(f"{item.ref}\t{item.digest}")
+            for source in sources:
+                for item in store.import_archive(open_source(source), tags):
+                    if unpack:
+                        store.rootfs(item.digest)
+                    click.echo(f"{item.ref}\t{item.digest}")
         except SandmanError as exc:
             raise click.ClickException(f"{type(exc).__name__}: {exc}") from exc
 

@@ -60,13 +60,16 @@ def _parent_dir(root: Path, rel: str) -> Path:
     return current
 
 
-def _existing_parent(root: Path, rel: str) -> Path:
-    """Like _parent_dir for a path that must already exist (a hard link's source)."""
+def _existing_parent(root: Path, rel: str, *, missing_ok: bool = False) -> Path | None:
+    """Like _parent_dir, for an entry that refers to what lower layers made (a whiteout, a
+    hard link's source): nothing is created; a symlink on the way is refused."""
     current = root
     for part in rel.split("/")[:-1]:
         current = current / part
+        if missing_ok and not os.path.lexists(current):
+            return None
         if current.is_symlink() or not current.is_dir():
-            raise ImageInvalid(f"hard link source {rel!r} is not inside the root")
+            raise ImageInvalid(f"layer entry {rel!r} does not stay inside the root")
     return current
 
 
@@ -87,7 +90,9 @@ def _apply_whiteouts(root: Path, members: list[tarfile.TarInfo]) -> None:
         base = rel.rsplit("/", 1)[-1]
         if not base.startswith(WHITEOUT):
             continue
-        parent = _parent_dir(root, rel)
+        parent = _existing_parent(root, rel, missing_ok=True)
+        if parent is None:
+            continue  # nothing below to hide
         if base == OPAQUE:
             for child in list(parent.iterdir()):
                 _remove(child)
@@ -124,7 +129,9 @@ def _extract(root: Path, member: tarfile.TarInfo, data: IO[bytes] | None, *, as_
         os.symlink(member.linkname, target)
     elif member.islnk():
         linked = safe_name(member.linkname)
-        source = _existing_parent(root, linked) / linked.rsplit("/", 1)[-1]
+        parent = _existing_parent(root, linked)
+        assert parent is not None
+        source = parent / linked.rsplit("/", 1)[-1]
         if not linked or not os.path.lexists(source) or source.is_dir():
             raise ImageInvalid(f"hard link {rel!r} to a missing entry {member.linkname!r}")
         _remove(target)

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from broker.acquire.root import Root
 
 DEMO_JOB = "demo"
-DEMO_IMAGE = "sandman/demo-task:latest"
+DEMO_IMAGE = "localhost/sandman-task-base:v1"  # built by deploy/images/build.sh (make demo)
 CPU, MEMORY = "500m", "512Mi"
 
 
