@@ -117,6 +117,17 @@ def _sandbox_python(hidden: list[Path]) -> tuple[str, str | None]:
     return real, None
 
 
+def _workdir(requested: str, *, nested: bool) -> str:
+    """The sandbox's working directory: an absolute path other than ``/`` (one level only
+    on the host root, whose other top-level directories are the host's), else /workspace."""
+    parts = [p for p in requested.split("/") if p]
+    if not requested.startswith("/") or not parts or any(p in (".", "..") for p in parts):
+        return "/workspace"
+    if not nested and len(parts) > 1:
+        return "/workspace"
+    return "/" + "/".join(parts)
+
+
 def _token_pipe(token: str) -> int:
     """A pipe's read end holding ``token`` and then EOF (the write end is closed already).
 
@@ -217,15 +228,13 @@ class LocalBackend:
             argv, python = self._image_argv(spec, root)
         else:
             argv, python = self._host_root_argv(), [self.python]
-        workdir = (
-            spec.workdir if spec.workdir.count("/") == 1 and len(spec.workdir) > 1 else "/workspace"
-        )
+        workdir = _workdir(spec.workdir, nested=root is not None)
+        argv += ["--tmpfs", "/tmp"]  # noqa: S108 (a private tmpfs inside the sandbox)
+        if root is None or not (root.rootfs / workdir.lstrip("/")).is_dir():
+            # A workdir the image has (a task's repository) is the image's, in the
+            # sandbox's own layer; any other gets an empty workspace of its own.
+            argv += ["--bind", str(workspace), workdir]
         argv += [
-            "--tmpfs",
-            "/tmp",  # noqa: S108 (a private tmpfs inside the sandbox)
-            "--bind",
-            str(workspace),
-            workdir,
             "--ro-bind",
             str(self.execd_dir),
             "/sandman/execd",

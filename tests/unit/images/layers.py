@@ -46,7 +46,9 @@ def docker_archive(out: Path, layers: list[Path], tags: list[str]) -> Path:
          "rootfs": {"type": "layers", "diff_ids": [f"sha256:{d}" for d in digests]}}
     ).encode()  # fmt: skip
     cfg_name = hashlib.sha256(config).hexdigest() + ".json"
-    manifest = [{"Config": cfg_name, "RepoTags": tags, "Layers": [f"{d}/layer.tar" for d in digests]}]
+    manifest = [
+        {"Config": cfg_name, "RepoTags": tags, "Layers": [f"{d}/layer.tar" for d in digests]}
+    ]
     with tarfile.open(out, "w") as tar:
         for path, digest in zip(layers, digests, strict=True):
             tar.add(path, f"{digest}/layer.tar")

@@ -96,8 +96,7 @@ def test_concurrent_first_uses_unpack_once(
     monkeypatch.setattr(store, "unpack", counting)
     results: list[Path] = []
     threads = [
-        threading.Thread(target=lambda: results.append(images.rootfs(img.digest)))
-        for _ in range(4)
+        threading.Thread(target=lambda: results.append(images.rootfs(img.digest))) for _ in range(4)
     ]
     for t in threads:
         t.start()

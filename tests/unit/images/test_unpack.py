@@ -67,8 +67,15 @@ def test_owners_modes_symlinks_hardlinks_and_fifos(tmp_path: Path) -> None:
         [("up", "link", "../../etc/passwd")],
         [("dev/sda", "chr")],
     ],
-    ids=["absolute", "dotdot", "nested-dotdot", "symlink-parent", "relative-symlink-parent",
-         "hardlink-out", "device"],  # fmt: skip
+    ids=[
+        "absolute",
+        "dotdot",
+        "nested-dotdot",
+        "symlink-parent",
+        "relative-symlink-parent",
+        "hardlink-out",
+        "device",
+    ],  # fmt: skip
 )
 def test_escapes_are_refused(tmp_path: Path, entries: list[tuple]) -> None:
     outside = tmp_path / "outside"
