@@ -109,8 +109,10 @@ def test_an_image_without_python_runs_execd_on_the_host_interpreter(
     ref = f"localhost/sandman-test-nopython:{secrets.token_hex(4)}"
     archive = tmp_path / "nopython.tar"
     subprocess.run(
-        ["python3", REPO / "deploy/images/pack_image.py", "--out", archive, "--tag", ref]
-        + ["--layer", base_layer, "--layer", tmp_path / "wh.tar"],
+        [
+            *("python3", REPO / "deploy/images/pack_image.py", "--out", archive, "--tag", ref),
+            *("--layer", base_layer, "--layer", tmp_path / "wh.tar"),
+        ],
         check=True,
         capture_output=True,
     )

@@ -75,7 +75,7 @@ def test_owners_modes_symlinks_hardlinks_and_fifos(tmp_path: Path) -> None:
         "relative-symlink-parent",
         "hardlink-out",
         "device",
-    ],  # fmt: skip
+    ],
 )
 def test_escapes_are_refused(tmp_path: Path, entries: list[tuple]) -> None:
     outside = tmp_path / "outside"
