@@ -142,3 +142,23 @@ def test_a_missing_image_is_typed_before_any_row_or_process(
     assert rows == 0
     assert backend.list_all_labelled("ns") == []
     assert list(backend.root.iterdir()) in ([], [backend.root / ".ports"])
+
+
+def test_the_copy_fallback_isolates_too(
+    backend: LocalBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where overlay mounts are refused, each sandbox gets a full copy of the root."""
+    from broker.backends import local
+
+    monkeypatch.setattr(local, "overlay_works", lambda _scratch: False)
+    spec = pod_spec("sm-img-copy")
+    backend.create(spec)
+    try:
+        assert (backend.root / spec.name / "rootfs" / "etc/hostname").exists()
+        out = _exec(backend, spec.name, spec.token, "echo x > /etc/copied && cat /etc/hostname")
+    finally:
+        backend.delete("ns", spec.name, spec.nonce)
+    assert out["stdout"].strip() == "sandman-task-base"
+    image_root = backend.images.rootfs(backend.images.resolve(TASK_IMAGE))
+    assert not (image_root / "etc/copied").exists()
+    assert not (backend.root / spec.name).exists()
