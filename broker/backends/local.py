@@ -201,6 +201,7 @@ class LocalBackend:
         """bwrap's first arguments on an image root, and the python that runs execd."""
         assert self.bwrap is not None
         argv = [self.bwrap, "--bind", str(root.merged), "/", "--dev", "/dev", "--proc", "/proc"]
+        argv += root.network_files(spec.name[:63])
         python = image_python(root.rootfs)
         if python is None:
             hosted = host_python()

@@ -29,6 +29,7 @@ from broker.errors import KubeUnavailable
 
 PYTHON_CANDIDATES = ("usr/local/bin/python3", "usr/bin/python3", "bin/python3")
 HOSTPY = "/sandman/hostpy"
+RESOLV = "/etc/resolv.conf"
 _MOUNT = 'mount -t overlay sandman-root -o "$1" "$2" && shift 2 && exec "$@"'
 
 
@@ -170,6 +171,16 @@ class SandboxRoot:
             capture_output=True,
         )
         partial.rename(target)
+
+    def network_files(self, hostname: str) -> list[str]:
+        """What a container runtime provides: an /etc/hosts naming localhost and the
+        sandbox's hostname (images rarely ship one), and the host's /etc/resolv.conf,
+        since the sandbox shares the host's network namespace (read-only; hosts is its own)."""
+        hosts = self.sandbox_dir / "hosts"
+        hosts.write_text(
+            f"127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost\n127.0.1.1\t{hostname}\n"
+        )
+        return ["--bind", str(hosts), "/etc/hosts", "--ro-bind-try", RESOLV, RESOLV]
 
     def wrap(self, bwrap_argv: list[str]) -> list[str]:
         """The command that starts ``bwrap_argv`` on this root (mounting it first)."""

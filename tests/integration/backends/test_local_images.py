@@ -60,7 +60,7 @@ def test_host_files_are_invisible_and_shadow_is_the_images(backend: LocalBackend
             spec.name,
             spec.token,
             f"test -e {marker} && echo visible || echo absent; sha256sum /etc/shadow; "
-            "cat /etc/hostname; ls /root | wc -l",
+            "cat /etc/hostname; ls /root | wc -l; getent hosts localhost | head -1",
         )
     finally:
         marker.unlink()
@@ -75,6 +75,7 @@ def test_host_files_are_invisible_and_shadow_is_the_images(backend: LocalBackend
     assert lines[1].split()[0] == image_shadow
     assert lines[2] == "sandman-task-base", "the image's /etc, not the host's"
     assert lines[3] == "0", "the host's home is not there"
+    assert lines[4].split()[0] in ("127.0.0.1", "::1"), "localhost resolves (/etc/hosts)"
 
 
 def test_each_sandbox_writes_its_own_layer_removed_at_delete(backend: LocalBackend) -> None:
