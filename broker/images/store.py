@@ -5,7 +5,7 @@ are content-addressed and belong to no installation, so every state dir on the m
 each test run's included, shares one copy and one unpack of each digest; the per-sandbox
 writable layers, which do belong to an installation, live in its state dir)::
 
-    refs.json                 {normalized ref: manifest digest}
+    refs.json                 {normalized ref (or the digest, if unnamed): manifest digest}
     blobs/sha256/<hex>        manifests, configs and layers, checked against their digest
     rootfs/<hex>/             a digest's unpacked root filesystem (read-only by convention)
     locks/<hex>.lock          held while that digest is unpacked
@@ -170,12 +170,11 @@ class ImageStore:
         with _flock(self.root / ".lock"):
             table = self._refs()
             for image in images:
-                names = [refs.normalize(r) for r in [*image.refs, *tags]]
+                # An image without a name is listed (and removable) under its digest.
+                names = [refs.normalize(r) for r in [*image.refs, *tags]] or [image.digest]
                 for name in names:
                     table[name] = image.digest
                 out += [self._stored(name, image.digest) for name in names]
-                if not names:
-                    out.append(self._stored(image.digest, image.digest))
             self._write_refs(table)
         return out
 

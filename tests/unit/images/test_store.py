@@ -104,3 +104,15 @@ def test_concurrent_first_uses_unpack_once(
         t.join()
     assert len(calls) == 1
     assert len(set(results)) == 1 and len(results) == 4
+
+
+def test_an_unnamed_image_is_listed_and_removed_by_digest(
+    tmp_path: Path, layers: list[Path]
+) -> None:
+    images = ImageStore(tmp_path / "store")
+    (stored,) = images.import_archive(docker_archive(tmp_path / "i.tar", layers, []))
+    assert [(i.ref, i.digest) for i in images.images()] == [(stored.digest, stored.digest)]
+    assert images.resolve(stored.digest) == stored.digest
+    assert images.remove(stored.digest) == [stored.digest]
+    assert images.images() == []
+    assert not list((tmp_path / "store/blobs/sha256").iterdir())
