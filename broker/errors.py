@@ -13,6 +13,8 @@ SandmanError                                                  retryable? (T/P)
 ├── ConfigError(ValueError)                                   P  bad settings or arguments
 ├── InvalidRequest(ValueError)                                P  malformed input; nothing was created
 │   ├── UnknownJob(LookupError)                               P
+│   ├── ImageNotFound(LookupError)          (images)          P  the image ref is not in the local store
+│   ├── ImageInvalid                        (images)          P  an archive or layer the store refuses
 │   └── TaskSpecError                       (grading.spec)    P  a task file that cannot be graded
 ├── InfrastructureError                                          not the agent's fault: mask the sample
 │   ├── ServiceUnavailable(ConnectionError)                   T  Redis/PostgreSQL/broker down
@@ -99,6 +101,21 @@ class InvalidRequest(PermanentError, ValueError):
 
 class UnknownJob(InvalidRequest, LookupError):
     code = "unknown_job"
+
+
+class ImageNotFound(InvalidRequest, LookupError):
+    """The image reference is in no store this backend reads (raised before any row or
+    process exists: ``sandman image import`` it first)."""
+
+    code = "image_not_found"
+
+
+class ImageInvalid(InvalidRequest):
+    """An image archive or layer the store refuses: unknown format, a digest that does
+    not match, or an entry that would escape the root (``..``, absolute paths, links out,
+    device nodes). Nothing of it is used."""
+
+    code = "image_invalid"
 
 
 class InfrastructureError(SandmanError):

@@ -2,10 +2,13 @@
 
 Isolation chosen, and why:
 - own PID, IPC, UTS (and cgroup, where allowed) namespaces; all capabilities dropped;
-  the host root mounted READ-ONLY as the "image" (the image name is recorded, not
-  pulled), a private writable workspace, a private /tmp, the broker's state dir and
-  $HOME hidden behind empty tmpfs (they hold the database and Redis passwords), and the
-  repository's execd bound read-only at /sandman/execd.
+- the sandbox is rooted in its task image: the image comes from the local image store
+  (``broker.images``, ``sandman image import``), is unpacked once per digest, and each
+  sandbox gets its own writable layer over it (``broker.backends.localroot``). Nothing of
+  the host is visible but the repository's execd (read-only, /sandman/execd), /proc, a
+  minimal /dev, a private /tmp, the workspace and, for an image without python3, the
+  host interpreter execd runs on. An image missing from the store is ``ImageNotFound``
+  from ``check_image``, before any ledger row or process exists.
 - NOT a network namespace: execd must stay reachable from the broker and trainers on
   127.0.0.1:<port> in the host netns, and an unshared netns would cut it off. So the
   local backend cannot deny egress; it reports no egress guard and the provider
@@ -42,7 +45,9 @@ from broker import failpoints
 from broker.backends import localprocs
 from broker.backends.base import LABEL_INSTALLATION, LABEL_NONCE, MANAGED_BY, PodInfo, PodSpec
 from broker.backends.localports import PortLocks
-from broker.errors import GuardMissing, KubeConflict, KubeUnavailable
+from broker.backends.localroot import SandboxRoot, host_python, image_python, overlay_works
+from broker.errors import GuardMissing, ImageInvalid, ImageNotFound, KubeConflict, KubeUnavailable
+from broker.images.store import ImageStore
 from broker.settings import Settings
 
 REPO_ROOT = Path(__file__).resolve().parent.parent.parent
@@ -126,6 +131,17 @@ def _write_durably(path: Path, meta: dict[str, Any], *, exclusive: bool) -> None
         os.close(folder)
 
 
+def _workdir(requested: str, *, nested: bool) -> str:
+    """The sandbox's working directory: an absolute path other than ``/`` (one level only
+    on the host root, whose other top-level directories are the host's), else /workspace."""
+    parts = [p for p in requested.split("/") if p]
+    if not requested.startswith("/") or not parts or any(p in (".", "..") for p in parts):
+        return "/workspace"
+    if not nested and len(parts) > 1:
+        return "/workspace"
+    return "/" + "/".join(parts)
+
+
 def _token_pipe(token: str) -> int:
     """A pipe's read end holding ``token`` and then EOF (the write end is closed already).
 
@@ -147,7 +163,11 @@ class LocalBackend:
 
     name = "local"
 
-    def __init__(self, settings: Settings, *, execd_dir: Path | None = None) -> None:
+    def __init__(
+        self, settings: Settings, *, execd_dir: Path | None = None, host_root: bool = False
+    ) -> None:
+        """``host_root`` runs sandboxes on the host's root, read-only, ignoring the image:
+        the pre-image behaviour, kept ONLY so bench/local_images.py can measure it."""
         self.root = Path(settings.state_dir) / "local-pods"
         self.root.mkdir(parents=True, exist_ok=True)
         self.hidden = [Path(settings.state_dir), Path.home()]
@@ -157,12 +177,19 @@ class LocalBackend:
         self.failpoint = failpoints.armed(settings.failpoint)
         self.mark_root = self.mark_root_of(settings.state_dir)
         self.ports = PortLocks(self.root / ".ports", self._orphaned)
+        self.images = ImageStore.at_cache(settings.cache_dir)
+        self.host_root = host_root
 
     @staticmethod
     def mark_root_of(state_dir: Path) -> Path:
         """The prefix of this state dir's sandbox markers; resolved, so that it reads the
         same in every process whatever its cwd or the symlinks on the way."""
         return (Path(state_dir) / "local-pods").resolve()
+
+    def check_image(self, image: str) -> None:
+        """ImageNotFound unless ``image`` (a ref or a digest) is in the local store."""
+        if not self.host_root:
+            self.images.resolve(image)
 
     # -- guards: nothing cluster-side to install locally -------------------------------
 
@@ -183,35 +210,62 @@ class LocalBackend:
     def _workspace(self, name: str) -> Path:
         return self.root / name / "workspace"
 
+    def _sandbox_root(self, spec: PodSpec) -> SandboxRoot | None:
+        """Unpack the image if this is its first use, then lay the sandbox's own writable
+        layer over it (None on the benchmark-only host root)."""
+        if self.host_root:
+            return None
+        rootfs = self.images.rootfs(self.images.resolve(spec.image))
+        root = SandboxRoot(rootfs, self.root / spec.name, overlay=overlay_works(self.root))
+        root.prepare()
+        return root
+
+    def _image_argv(
+        self, spec: PodSpec, mark: str, root: SandboxRoot
+    ) -> tuple[list[str], list[str]]:
+        """bwrap's first arguments on an image root, and the python that runs execd."""
+        assert self.bwrap is not None
+        # The marker comes first (localprocs reads the first one), before any option the
+        # image or the request's env adds.
+        argv = [self.bwrap, *localprocs.marker_args(mark)]
+        argv += ["--bind", str(root.merged), "/", "--dev", "/dev", "--proc", "/proc"]
+        argv += root.network_files(spec.name[:63])
+        python = image_python(root.rootfs)
+        if python is None:
+            hosted = host_python()
+            argv += hosted.binds()
+            command = hosted.command()
+        else:
+            command = [python]
+        for item in self.images.config(self.images.resolve(spec.image)).get("Env") or []:
+            key, sep, value = str(item).partition("=")
+            if sep and key:
+                argv += ["--setenv", key, value]
+        return argv, command
+
     def _argv(
-        self, spec: PodSpec, mark: str, port: int, workspace: Path, info_fd: int
+        self,
+        spec: PodSpec,
+        mark: str,
+        port: int,
+        workspace: Path,
+        info_fd: int,
+        *,
+        root: SandboxRoot | None = None,
     ) -> list[str]:
         if self.bwrap is None:
             raise KubeUnavailable("bubblewrap (bwrap) is not installed: apt-get install bubblewrap")
-        # The marker comes first (localprocs reads the first one), before any option the
-        # request's env adds. The root is a fresh tmpfs: every top-level host directory is
-        # bound read-only into it, so mount points for the workspace and execd can be made.
-        argv = [self.bwrap, *localprocs.marker_args(mark)]
-        for entry in sorted(os.listdir("/")):
-            if entry in _SKIP_TOP or not os.path.isdir("/" + entry):
-                continue
-            if os.path.islink("/" + entry):
-                argv += ["--symlink", os.readlink("/" + entry), "/" + entry]
-            else:
-                argv += ["--ro-bind", "/" + entry, "/" + entry]
-        argv += ["--dev", "/dev", "--proc", "/proc"]
-        for hidden in self.hidden:
-            if hidden.exists() and hidden != Path("/"):
-                argv += ["--tmpfs", str(hidden)]
-        workdir = (
-            spec.workdir if spec.workdir.count("/") == 1 and len(spec.workdir) > 1 else "/workspace"
-        )
+        if root is not None:
+            argv, python = self._image_argv(spec, mark, root)
+        else:
+            argv, python = self._host_root_argv(mark), [self.python]
+        workdir = _workdir(spec.workdir, nested=root is not None)
+        argv += ["--tmpfs", "/tmp"]  # noqa: S108 (a private tmpfs inside the sandbox)
+        if root is None or not (root.rootfs / workdir.lstrip("/")).is_dir():
+            # A workdir the image has (a task's repository) is the image's, in the
+            # sandbox's own layer; any other gets an empty workspace of its own.
+            argv += ["--bind", str(workspace), workdir]
         argv += [
-            "--tmpfs",
-            "/tmp",  # noqa: S108 (a private tmpfs inside the sandbox)
-            "--bind",
-            str(workspace),
-            workdir,
             "--ro-bind",
             str(self.execd_dir),
             "/sandman/execd",
@@ -238,7 +292,7 @@ class LocalBackend:
             argv += ["--setenv", key, value]
         argv += [
             "--",
-            self.python,
+            *python,
             "-m",
             "execd",
             "--listen",
@@ -246,6 +300,24 @@ class LocalBackend:
             "--workdir",
             workdir,
         ]
+        return argv
+
+    def _host_root_argv(self, mark: str) -> list[str]:
+        """The benchmark-only host root: a fresh tmpfs with every top-level host directory
+        bound read-only into it, the state dir and $HOME hidden."""
+        assert self.bwrap is not None
+        argv = [self.bwrap, *localprocs.marker_args(mark)]
+        for entry in sorted(os.listdir("/")):
+            if entry in _SKIP_TOP or not os.path.isdir("/" + entry):
+                continue
+            if os.path.islink("/" + entry):
+                argv += ["--symlink", os.readlink("/" + entry), "/" + entry]
+            else:
+                argv += ["--ro-bind", "/" + entry, "/" + entry]
+        argv += ["--dev", "/dev", "--proc", "/proc"]
+        for hidden in self.hidden:
+            if hidden.exists() and hidden != Path("/"):
+                argv += ["--tmpfs", str(hidden)]
         return argv
 
     def create(self, spec: PodSpec) -> PodInfo:
@@ -292,8 +364,10 @@ class LocalBackend:
         read_fd, write_fd = os.pipe()
         token_fd = _token_pipe(spec.token)
         try:
+            root = self._sandbox_root(spec)
+            argv = self._argv(spec, mark, port, workspace, write_fd, root=root)
             proc = subprocess.Popen(
-                self._argv(spec, mark, port, workspace, write_fd),
+                root.wrap(argv) if root is not None else argv,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=log,
@@ -309,10 +383,14 @@ class LocalBackend:
                     "SANDMAN_EXECD_TOKEN_FD": str(token_fd),
                 },
             )
-        except (OSError, KubeUnavailable) as exc:
+        except (OSError, KubeUnavailable, subprocess.CalledProcessError) as exc:
             os.close(read_fd)
             self._forget(spec.name, meta)
             raise KubeUnavailable(f"cannot start bwrap: {exc}") from exc
+        except (ImageNotFound, ImageInvalid):
+            os.close(read_fd)
+            self._forget(spec.name, meta)
+            raise
         finally:
             os.close(write_fd)
             os.close(token_fd)

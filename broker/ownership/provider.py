@@ -107,6 +107,7 @@ class Provider:
                 raise AcquireTimeout(
                     f"acquire {spec.request_id} was abandoned by its trainer while queued"
                 )
+            self.backend.check_image(spec.image_digest or spec.image)
             job = self.job(session, spec.job)
             if enforce_cap and job.max_live:
                 live = store.count_live_locked(session, job.name)

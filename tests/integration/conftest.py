@@ -21,9 +21,17 @@ from broker.local.reclaim import kill_all, marked_processes
 from broker.local.stack import worker_argv
 from broker.names import Queue
 from broker.settings import Settings
+from tests.support.images import ensure_local_images
 
 REPO = Path(__file__).resolve().parents[2]
 ALL_QUEUES = f"{Queue.ACQUIRE},{Queue.RELEASE},{Queue.POOL}"  # one worker serves them all
+
+
+@pytest.fixture(scope="session", autouse=True)
+def local_images() -> None:
+    """The project's task images in the local store (the local backend runs nothing else);
+    builds them with deploy/images/build.sh on a machine that never did."""
+    ensure_local_images(Settings.from_env().cache_dir)
 
 
 @pytest.fixture(scope="module")

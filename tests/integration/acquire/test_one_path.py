@@ -26,9 +26,10 @@ from broker.ledger.states import State
 from broker.pools.store import pool_key
 from broker.settings import Settings
 from broker.wire.request import AcquireRequest
+from tests.support.images import TASK_IMAGE
 
 pytestmark = pytest.mark.integration
-IMAGE = "python:3.12"
+IMAGE = TASK_IMAGE
 MAX_STATEMENTS_PER_CREATE = 16
 
 

@@ -38,9 +38,10 @@ from broker.names import Task
 from broker.pools.store import WarmStore
 from broker.settings import Settings
 from broker.wire.warm import pool_key
+from tests.support.images import TASK_IMAGE
 
 pytestmark = pytest.mark.integration
-IMAGE = "sandman/test-task:1"
+IMAGE = TASK_IMAGE
 
 
 class Handle:

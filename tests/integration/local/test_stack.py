@@ -31,10 +31,11 @@ from broker.ledger import store
 from broker.ledger.models import Sandbox
 from broker.ledger.states import LIVE_STATES
 from broker.local.reclaim import descendants, marked_processes
+from tests.support.images import SWE_IMAGE, TASK_IMAGE
 from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.integration
-IMAGE = "sandman/test-task:1"
+IMAGE = TASK_IMAGE
 REPO = Path(__file__).resolve().parents[3]
 SANDMAN = str(Path(sys.executable).parent / "sandman")
 
@@ -212,7 +213,7 @@ def test_ctrl_c_drains_every_sandbox_and_closes_every_row(up: Up, sessions: Any)
     up.start()
     client = SandboxClient(up.redis_url, owner="pytest")
     try:
-        leased = client.open(image="sandman/other:1", job=job, timeout=120)  # a cold create
+        leased = client.open(image=SWE_IMAGE, job=job, timeout=120)  # a cold create
         assert leased.exec("echo held").stdout.strip() == "held"
     finally:
         client.close()

@@ -49,6 +49,8 @@ def test_every_error_is_drawn_in_the_tree() -> None:
     [
         (errors.InvalidRequest, "invalid_request"),
         (errors.UnknownJob, "unknown_job"),
+        (errors.ImageNotFound, "image_not_found"),
+        (errors.ImageInvalid, "image_invalid"),
         (errors.ServiceUnavailable, "service_unavailable"),
         (errors.AcquireTimeout, "acquire_timeout"),
         (errors.SandboxLost, "sandbox_lost"),
