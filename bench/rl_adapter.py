@@ -23,7 +23,7 @@ from bench.common import pct, save
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--job", default="rl-bench")
-    ap.add_argument("--image", default="sandman/test-task:1")
+    ap.add_argument("--image", default="localhost/sandman-task-base:v1")  # local store
     ap.add_argument("--n", type=int, default=1000)
     args = ap.parse_args()
 

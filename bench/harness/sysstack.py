@@ -21,9 +21,10 @@ from typing import Any
 
 from bench.common import REPO, free_port
 from bench.kwok import KWOK_IMAGE
+from broker.local.demo import DEMO_IMAGE
 
 JOB = "syscampaign"
-LOCAL_IMAGE = "sandman/test-task:1"  # recorded, not pulled: the local backend runs the host
+LOCAL_IMAGE = DEMO_IMAGE  # in the local store (make local-images)
 FAULT_KINDS = (
     "kill_worker",
     "kill_beat",

@@ -37,10 +37,11 @@ from broker.ledger.models import Sandbox
 from broker.ledger.states import State
 from broker.names import Queue, Task
 from broker.settings import Settings
+from tests.support.images import TASK_IMAGE
 from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.integration
-IMAGE = "sandman/test-task:1"
+IMAGE = TASK_IMAGE
 TASK = SandboxTask(
     prompt="add() in /workspace/calc.py is wrong: fix it, then submit.",
     files={"/workspace/calc.py": "def add(a, b):\n    return a - b\n"},

@@ -37,10 +37,11 @@ from broker.ownership.gc import run_gc
 from broker.ownership.provider import Provider
 from broker.settings import Settings
 from tests.integration.workers.conftest import OwnBroker
+from tests.support.images import TASK_IMAGE
 from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.integration
-IMAGE = "sandman/test-task:1"
+IMAGE = TASK_IMAGE
 MARGIN_S = 1.0  # the creating lease: readiness budget + this; short, so the GC may act
 
 
