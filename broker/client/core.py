@@ -135,9 +135,15 @@ def acquire_seconds(request: dict[str, Any], now: float) -> float:
 
 
 def warm_eligible(request: dict[str, Any]) -> bool:
-    """Can a warm pod serve this request? Not one that asks for visible CPUs: warm pods
-    were started without the pinning (execd applies it at start)."""
-    return request.get("visible_cpus") is None
+    """Can a warm pod serve this request? Warm pods were started with the defaults: no
+    env, the default workdir, no CPU pinning (execd applies all three at its start). A
+    request that asks for any of them always creates, or it would silently run without
+    them (a grading sandbox without its PYTHONHASHSEED or TZ, a rollout in another cwd)."""
+    return (
+        request.get("visible_cpus") is None
+        and not request.get("env")
+        and request.get("workdir", ACQUIRE_DEFAULTS["workdir"]) == ACQUIRE_DEFAULTS["workdir"]
+    )
 
 
 def warm_claim(request: dict[str, Any]) -> tuple[list[str], list[Any]]:

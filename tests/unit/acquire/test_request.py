@@ -250,3 +250,7 @@ def test_visible_cpus_travel_to_execd_and_skip_warm_pools() -> None:
     # Warm pods started without the pinning: such a request always creates.
     assert not core.warm_eligible(core.new_request("me", image="i", job="j", visible_cpus=1))
     assert core.warm_eligible(core.new_request("me", image="i", job="j"))
+    # ... and so do requests with env or another workdir: a warm pod has neither.
+    assert not core.warm_eligible(core.new_request("me", image="i", job="j", env={"TZ": "UTC"}))
+    assert not core.warm_eligible(core.new_request("me", image="i", job="j", workdir="/repo"))
+    assert core.warm_eligible(core.new_request("me", image="i", job="j", env={}, workdir="/"))
