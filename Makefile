@@ -14,7 +14,7 @@ export PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD := 1
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-12)
 PYTEST_ARGS ?=
 
-.PHONY: host-deps venv demo up test lint format typecheck test-unit test-integration test-cluster \
+.PHONY: host-deps venv local-images demo up test lint format typecheck test-unit test-integration test-cluster \
         cluster-up cluster-down services-up services-down broker-image broker-image-import \
         deploy-local kind-up kind-down bench-execd bench-broker bench-campaign bench-report
 
@@ -29,10 +29,16 @@ $(STAMP): pyproject.toml
 host-deps:
 	deploy/host-deps.sh
 
-demo: host-deps venv
+# The task images (deploy/images/build.sh: debootstrap, minutes the first time, then cached)
+# imported into the local store the local backend runs sandboxes on.
+local-images: host-deps venv
+	deploy/images/build.sh
+	$(BIN)/sandman image import $$(cut -f2 $(SANDMAN_CACHE_DIR)/images/index.tsv)
+
+demo: local-images
 	$(BIN)/sandman demo
 
-up: venv
+up: local-images
 	$(BIN)/sandman up
 
 services-up: venv

@@ -34,7 +34,7 @@ from bench.common import (
 )
 from broker.names import Queue, Task
 
-IMAGE = "sandman/bench-task:1"
+IMAGE = "localhost/sandman-task-base:v1"  # in the local store (make local-images)
 LIVE = ("requested", "creating", "ready", "releasing")
 
 

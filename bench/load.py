@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import bench_env, free_port, pct, stop_services
 from bench.meter import rss_mb
 
-IMAGE = "sandman/load-task:1"
+IMAGE = "localhost/sandman-task-base:v1"  # in the local store (make local-images)
 
 
 def main() -> int:

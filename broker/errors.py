@@ -3,8 +3,8 @@
 Every class says whether retrying the same call can help: it inherits ``TemporaryError``
 (retry with backoff: Celery's ``autoretry_for`` on idempotent tasks uses exactly this) or
 ``PermanentError`` (retrying gives the same answer). Groups drawn without a mark
-(InfrastructureError, KubeError) are only for ``except``; raised bare they count as
-permanent (``retryable`` is False), the safe default. ``code`` travels over the wire
+(InfrastructureError, KubeError, ExecError) are only for ``except``; raised bare they
+count as permanent (``retryable`` is False), the safe default. ``code`` travels over the wire
 (``broker.wire.errors``) and never changes: older clients decode it.
 
 Every T error carries ``retry_after`` (seconds, when the refusing side said).
@@ -13,6 +13,8 @@ SandmanError                                                  retryable? (T/P)
 ├── ConfigError(ValueError)                                   P  bad settings or arguments
 ├── InvalidRequest(ValueError)                                P  malformed input; nothing was created
 │   ├── UnknownJob(LookupError)                               P
+│   ├── ImageNotFound(LookupError)          (images)          P  the image ref is not in the local store
+│   ├── ImageInvalid                        (images)          P  an archive or layer the store refuses
 │   └── TaskSpecError                       (grading.spec)    P  a task file that cannot be graded
 ├── InfrastructureError                                          not the agent's fault: mask the sample
 │   ├── ServiceUnavailable(ConnectionError)                   T  Redis/PostgreSQL/broker down
@@ -40,7 +42,7 @@ SandmanError                                                  retryable? (T/P)
 ├── IllegalTransition(RuntimeError)                           P  a ledger state jump the state machine forbids
 ├── OwnershipError(RuntimeError)                              P  a pod not provably ours was about to be touched
 │   └── ActionRefused                       (ownership.leaks) P  a leak action that is not safe now
-└── ExecError                                                 P  execd refused a call (bad input, auth)
+└── ExecError                                                    execd refused a call (bare: bad input, P)
     ├── ExecAuthError(PermissionError)                        P
     ├── ExecBusy                                              T  execd holds its maximum of runs/sessions
     ├── ExecSessionNotFound(LookupError)                      P  no named session of that name
@@ -99,6 +101,21 @@ class InvalidRequest(PermanentError, ValueError):
 
 class UnknownJob(InvalidRequest, LookupError):
     code = "unknown_job"
+
+
+class ImageNotFound(InvalidRequest, LookupError):
+    """The image reference is in no store this backend reads (raised before any row or
+    process exists: ``sandman image import`` it first)."""
+
+    code = "image_not_found"
+
+
+class ImageInvalid(InvalidRequest):
+    """An image archive or layer the store refuses: unknown format, a digest that does
+    not match, or an entry that would escape the root (``..``, absolute paths, links out,
+    device nodes). Nothing of it is used."""
+
+    code = "image_invalid"
 
 
 class InfrastructureError(SandmanError):
@@ -200,19 +217,22 @@ class OwnershipError(PermanentError, RuntimeError):
     code = "ownership_error"
 
 
-class ExecError(PermanentError):
-    """execd refused a call (bad input); ``status`` and ``error_code`` are its answer."""
+class ExecError(SandmanError):
+    """execd refused a call; ``status`` and ``error_code`` are its answer.
+
+    A group, unmarked like KubeError, because one refusal (busy) is temporary and the
+    others are not; raised bare (bad input) it is permanent, the safe default."""
 
     code = "exec_error"
     status: int | None = None
     error_code: str = ""
 
 
-class ExecAuthError(ExecError, PermissionError):
+class ExecAuthError(ExecError, PermanentError, PermissionError):
     code = "exec_auth_error"
 
 
-class ExecTimeout(ExecError, TimeoutError):
+class ExecTimeout(ExecError, PermanentError, TimeoutError):
     code = "exec_timeout"
 
 
@@ -223,13 +243,13 @@ class ExecBusy(ExecError, TemporaryError):
     code = "exec_busy"
 
 
-class ExecSessionNotFound(ExecError, LookupError):
+class ExecSessionNotFound(ExecError, PermanentError, LookupError):
     """A named session that was never opened, or was closed."""
 
     code = "exec_session_not_found"
 
 
-class ExecUserError(ExecError):
+class ExecUserError(ExecError, PermanentError):
     """A run's ``user`` is unknown in the sandbox, or execd (not root, or without
     CAP_SETUID) cannot switch to it."""
 

@@ -70,6 +70,9 @@ LABEL_SANDBOX = "sandman.io/sandbox"
 LABEL_NONCE = "sandman.io/nonce"
 LABEL_ROLE = "sandman.io/role"
 LABEL_EGRESS = "sandman.io/egress"  # "denied" when the job denies egress
+# The sandbox env var execd reads to pin itself (and so every command) to N CPUs
+# (execd/cpus.py); set by the broker from a request's visible_cpus, never by a request.
+ENV_VISIBLE_CPUS = "SANDMAN_EXECD_VISIBLE_CPUS"
 # On a namespace: its pods may call sandboxes' execd (the broker's own namespace and the
 # trainers'). Every other pod, other sandboxes included, is refused by the ingress guard.
 LABEL_EXECD_ACCESS = "sandman.io/execd-access"

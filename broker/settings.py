@@ -72,6 +72,9 @@ class Settings:
     web_cookie_secure: bool = False  # set when the UI is served over HTTPS
     secret_key: str = ""
     log_level: str = "INFO"
+    # Crash points armed for a fault campaign or a test (broker/failpoints.py); empty in
+    # production.
+    failpoint: str = ""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:

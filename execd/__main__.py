@@ -19,6 +19,7 @@ from typing import Any, Iterable, List, Optional, Tuple
 from . import __version__
 from . import rundir as rundir_mod
 from .api import App
+from .cpus import pin_visible_cpus
 from .reaper import Reaper, become_subreaper
 from .run import Runner
 from .server import Server
@@ -192,6 +193,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    # First, before any thread or child: they all inherit the affinity.
+    pin_visible_cpus(os.environ)
     token = read_token(args.insecure_no_auth)
     if not token:
         log.warning("serving WITHOUT authentication (--insecure-no-auth)")

@@ -2,9 +2,11 @@
 
 One run owns a complete stack instance: embedded PostgreSQL and Redis on their own ports
 in a temporary state dir, Celery workers (acquire; release+pool) and beat as subprocesses,
-the fault proxy in front of the local cluster's API server, and trainer subprocesses that
-loop acquire -> hold -> release on kwok nodes (simulated readiness: kwok pods have no
-containers, so the "rollout" is a hold of random length, not execd calls).
+and trainer subprocesses that loop acquire -> hold -> release. Where the sandboxes live
+is a "world" (bench/harness/sysworld.py): kwok pods on the local cluster behind the fault
+proxy (simulated readiness: kwok pods have no containers, so the "rollout" is a hold of
+random length), or, with ``--backend local``, bubblewrap sandboxes on this machine whose
+rollout also runs a command through the real execd.
 
 Faults, one at a time at random intervals (each kind once per round, in a random order;
 after a worker restart the next fault waits until that worker is serving again):
@@ -20,6 +22,11 @@ after a worker restart the next fault waits until that worker is serving again):
   api_delay       1-2 s delay on a share of all API calls for a few seconds
   api_reset       resets / 500-after-store on a share of pod calls for a few seconds
   kill_trainer    SIGKILL a trainer mid-rollout (its sandboxes must come back via the GC)
+  crash_at_failpoint
+                  restart a worker with SANDMAN_FAILPOINT=<point>, each in turn (broker/
+                  failpoints.py: creates on the acquire worker, releases on the control
+                  worker; after-sandbox-start on the local backend, between the sandbox
+                  process start and its creator's bookkeeping), let it die there, restart it
 
 Invariants (checked every second and at the end):
 
@@ -27,7 +34,12 @@ Invariants (checked every second and at the end):
   untyped errors            an acquire or release failing with anything but SandmanError
   duplicate hand-outs       one sandbox handed to two acquires (this job has no reuse)
   sentinel pods deleted     pods with our label keys that are not ours
-  pods without one live row after recovery and one GC pass (and rows without a pod)
+  pods without one live row after recovery and one GC pass (and rows without a pod),
+                            pods judged by the world's independent count (the cluster read
+                            directly; on the local backend the kernel's process list)
+  audit not OK              ``sandman audit`` after that GC pass: unowned or late pods,
+                            dangling rows
+  audit vs independent count  the audit's pods differ from the world's own count
 """
 
 from __future__ import annotations
@@ -48,7 +60,9 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness.sysstack import FAULT_KINDS, JOB, Config, Stack, wait_for
-from bench.kwok import KWOK_IMAGE, ensure_kwok_job, plant_sentinels
+from bench.harness.sysworld import RELEASE_POINTS, make_world
+from bench.kwok import KWOK_IMAGE
+from broker import failpoints
 from broker.names import Queue
 
 __all__ = ["FAULT_KINDS", "Config", "Result", "run", "trainer_main"]
@@ -74,6 +88,8 @@ class Result:
                 "live_rows_without_pod",
                 "gc_actions_pending",
                 "secrets_in_logs_or_ledger",
+                "audit_not_ok",
+                "audit_vs_independent_count",
             ),
             0,
         )
@@ -81,6 +97,9 @@ class Result:
     details: list[str] = field(default_factory=list)
     pods_created: int = 0
     gc_pass_s: float = 0.0
+    failpoint_crashes: Counter[str] = field(default_factory=Counter)
+    audit_pods: int = 0
+    independent_pods: int = 0
 
     @property
     def ok(self) -> bool:
@@ -93,6 +112,8 @@ class Result:
             f"trainers killed mid-acquire:     {self.killed_mid_acquire}",
             f"pods created:                    {self.pods_created}",
             f"faults injected by kind:         {dict(sorted(self.faults.items()))}",
+            f"worker exits at failpoints:      {dict(sorted(self.failpoint_crashes.items()))}",
+            f"final audit vs own count:        {self.audit_pods} vs {self.independent_pods}",
             f"proxy actions:                   {dict(sorted(self.proxy_faults.items()))}",
             "invariant violations:",
             *(f"  {k:<30} {v}" for k, v in self.violations.items()),
@@ -112,6 +133,9 @@ class Result:
                 "killed_mid_acquire": self.killed_mid_acquire,
                 "pods_created": self.pods_created,
                 "faults": dict(self.faults),
+                "failpoint_crashes": dict(self.failpoint_crashes),
+                "audit_pods": self.audit_pods,
+                "independent_pods": self.independent_pods,
                 "proxy_faults": self.proxy_faults,
                 "violations": self.violations,
                 "details": self.details,
@@ -124,8 +148,12 @@ class Result:
 # -- trainer subprocess ----------------------------------------------------------------------
 
 
-def trainer_main(out: str, redis_url: str, timeout: float, seed: int, stop: str) -> None:
-    """Loop acquire -> hold -> release, one JSON line per event (flushed: we may be killed)."""
+def trainer_main(
+    out: str, redis_url: str, timeout: float, seed: int, stop: str, image: str = KWOK_IMAGE
+) -> None:
+    """Loop acquire -> hold -> release, one JSON line per event (flushed: we may be killed).
+
+    A sandbox with an execd (not kwok's) also runs one command during its hold."""
     from broker.client.sync import SandboxClient
     from broker.errors import SandmanError
 
@@ -141,9 +169,7 @@ def trainer_main(out: str, redis_url: str, timeout: float, seed: int, stop: str)
             n += 1
             rec("start", n)
             try:
-                sb = client.open(
-                    image=KWOK_IMAGE, job=JOB, cpu="10m", memory="16Mi", timeout=timeout
-                )
+                sb = client.open(image=image, job=JOB, cpu="10m", memory="16Mi", timeout=timeout)
             except SandmanError as exc:
                 rec("error", n, kind=type(exc).__name__)
                 time.sleep(0.2)
@@ -153,6 +179,13 @@ def trainer_main(out: str, redis_url: str, timeout: float, seed: int, stop: str)
                 time.sleep(0.2)
                 continue
             rec("lease", n, sandbox=sb.lease.sandbox_id, pod=sb.lease.pod_name)
+            if image != KWOK_IMAGE:
+                try:
+                    sb.exec(f"echo {n}")
+                except SandmanError as exc:
+                    rec("exec_error", n, kind=type(exc).__name__, sandbox=sb.lease.sandbox_id)
+                except Exception as exc:
+                    rec("untyped", n, kind=type(exc).__name__, msg=str(exc)[:300], where="exec")
             time.sleep(rng.uniform(0.2, 1.5))  # the rollout
             try:
                 sb.release()
@@ -196,7 +229,10 @@ def check_records(
                 pending[r["n"]] = r["t"]
                 if result is not None:
                     result.trials += 1
-            elif r["ev"] in ("lease", "error", "untyped") and r.get("where") != "release":
+            elif r["ev"] in ("lease", "error", "untyped") and r.get("where") not in (
+                "release",
+                "exec",
+            ):
                 pending.pop(r["n"], None)
                 if result is not None:
                     result.answers["lease" if r["ev"] == "lease" else r.get("kind", "?")] += 1
@@ -216,21 +252,13 @@ def check_records(
     return found
 
 
-def sentinel_names(admin: Any, namespace: str) -> set[str]:
-    from broker.backends.kube.backend import KubeBackend
-
-    pods = KubeBackend(admin, installation="-").list_all_labelled(namespace)
-    return {p.name for p in pods if p.name.startswith("sentinel-")}
-
-
 # -- the run ---------------------------------------------------------------------------------
 
 
 def run(cfg: Config, progress: Callable[[str], None] = lambda s: None) -> Result:
-    from bench.harness.faultproxy import FaultProxy, Rule
-    from broker.backends.kube.api import Kube, load_api_client
-    from broker.backends.kube.backend import KubeBackend
+    from bench.harness.faultproxy import Rule
     from broker.ledger.db import make_engine, make_session_factory
+    from broker.ownership.audit import run_audit
     from broker.ownership.gc import run_gc
     from broker.ownership.provider import Provider
 
@@ -238,19 +266,15 @@ def run(cfg: Config, progress: Callable[[str], None] = lambda s: None) -> Result
     result = Result()
     t0 = time.monotonic()
     stack = Stack(cfg)
-    admin = Kube(load_api_client(cfg.kubeconfig))
-    admin.ensure_namespace(stack.namespace)
-    proxy = FaultProxy.from_kubeconfig(cfg.kubeconfig, seed=cfg.seed).start()
-    stack.proxy_kubeconfig = str(proxy.write_kubeconfig(cfg.state_dir / "proxy.kubeconfig"))
+    world = make_world(cfg, stack)
+    kinds = tuple(k for k in cfg.kinds if world.kinds_allowed is None or k in world.kinds_allowed)
     engine = None
     try:
-        progress("starting services")
+        progress(f"starting services ({cfg.backend} backend)")
         stack.start_services()
         engine = make_engine(stack.database_url, pool_size=2)
         sessions = make_session_factory(engine)
-        with sessions.begin() as s:
-            ensure_kwok_job(s, JOB, readiness_budget_s=cfg.readiness_budget_s, lease_s=cfg.lease_s)
-        sentinels = set(plant_sentinels(admin, stack.namespace, stack.installation, cfg.sentinels))
+        world.setup(sessions)
         for name in ("worker-acquire", "worker-control", "beat"):
             stack.spawn(name)
         stack.wait_ready("worker-acquire")
@@ -272,7 +296,7 @@ def run(cfg: Config, progress: Callable[[str], None] = lambda s: None) -> Result
                 for k, v in found.items():
                     seen[k].update(v)
                 with contextlib.suppress(Exception):  # the API may be slow; the end check counts
-                    sentinel_lost.update(sentinels - sentinel_names(admin, stack.namespace))
+                    sentinel_lost.update(world.lost_sentinels())
 
         watcher = threading.Thread(target=monitor, daemon=True)
         watcher.start()
@@ -283,13 +307,14 @@ def run(cfg: Config, progress: Callable[[str], None] = lambda s: None) -> Result
             if time.monotonic() >= end:
                 break
             if not order:  # every kind once per round, in a random order
-                order = rng.sample(list(cfg.kinds), len(cfg.kinds))
+                order = rng.sample(list(kinds), len(kinds))
             kind = order.pop()
             progress(f"fault {kind}")
-            inject(kind, stack, proxy, rng, Rule)
+            inject(kind, stack, world, rng, Rule, result)
             result.faults[kind] += 1
-        proxy.clear()
-        result.proxy_faults = dict(proxy.counts)
+        if world.proxy is not None:
+            world.proxy.clear()
+            result.proxy_faults = dict(world.proxy.counts)
 
         progress("stopping trainers")
         stack.stop_file.touch()
@@ -314,22 +339,18 @@ def run(cfg: Config, progress: Callable[[str], None] = lambda s: None) -> Result
         _recover(stack, sessions, cfg)
         stack.stop_all()
         progress("one GC pass")
-        gc_settings = stack.settings.__class__(
-            **{**stack.settings.__dict__, "kubeconfig": cfg.kubeconfig}
-        )
-        provider = Provider(
-            gc_settings, sessions, KubeBackend.from_settings(gc_settings), actor="gc"
-        )
+        provider = Provider(stack.settings, sessions, world.backend(), actor="gc")
         report = run_gc(provider)
         result.gc_pass_s = report.duration_s
         after = run_gc(provider, dry_run=True)
         result.violations["gc_actions_pending"] = len(after.actions)
         result.details += [f"pending after GC: {a}" for a in after.actions]
-        _final_ownership(stack, admin, sessions, result)
+        _final_ownership(stack, world.running(), sessions, result)
+        _final_audit(provider, world.running, world.sentinels, result, run_audit)
         leaks = scan_secrets(stack, sessions)
         result.violations["secrets_in_logs_or_ledger"] = len(leaks)
         result.details += leaks
-        sentinel_lost.update(sentinels - sentinel_names(admin, stack.namespace))
+        sentinel_lost.update(world.lost_sentinels())
         result.violations["hung_acquires"] = len(seen["hung"])
         result.violations["untyped_errors"] = len(seen["untyped"])
         result.violations["duplicate_handouts"] = len(seen["dup"])
@@ -339,18 +360,44 @@ def run(cfg: Config, progress: Callable[[str], None] = lambda s: None) -> Result
         result.details += [f"sentinel deleted: {n}" for n in sorted(sentinel_lost)]
     finally:
         stack.stop_all()
-        with contextlib.suppress(Exception):
-            proxy.stop()
+        world.teardown()
         if engine is not None:
             engine.dispose()
         stack.stop_services()
-        with contextlib.suppress(Exception):
-            admin.delete_namespace(stack.namespace)
     result.duration_s = time.monotonic() - t0
     return result
 
 
-def inject(kind: str, stack: Stack, proxy: Any, rng: random.Random, rule: Any) -> None:
+def _final_audit(
+    provider: Any,
+    running: Callable[[], set[str]],
+    sentinels: set[str],
+    result: Result,
+    run_audit: Any,
+) -> None:
+    """``sandman audit`` after the last GC pass, against the world's own count: they must
+    agree, and the audit must be OK (no unowned or late pods, no dangling rows) but for
+    the sentinels the world planted on purpose, which the audit must report and the GC
+    must leave alone."""
+    audit = run_audit(provider)
+    result.audit_pods = sum(audit.pods_by_job.values())
+    independent = running()
+    result.independent_pods = len(independent)
+    unexpected = set(audit.gc.unowned_pods) - sentinels
+    if unexpected or audit.gc.late_pods or audit.gc.dangling_rows:
+        result.violations["audit_not_ok"] += 1
+        result.details.append(f"audit NOT OK: {audit.to_dict()}")
+    if result.audit_pods != result.independent_pods:
+        result.violations["audit_vs_independent_count"] += 1
+        result.details.append(
+            f"audit counts {result.audit_pods} pods, the world shows {sorted(independent)}"
+        )
+
+
+def inject(
+    kind: str, stack: Stack, world: Any, rng: random.Random, rule: Any, result: Result
+) -> None:
+    proxy = world.proxy
     if kind == "kill_worker":
         name = rng.choice(["worker-acquire", "worker-control"])
         stack.kill(name)
@@ -358,6 +405,20 @@ def inject(kind: str, stack: Stack, proxy: Any, rng: random.Random, rule: Any) -
         stack.spawn(name)
         # The next fault waits until this worker serves again: on a loaded machine a
         # restart takes long enough that back-to-back kills would only measure an outage.
+        stack.wait_ready(name)
+    elif kind == "crash_at_failpoint":
+        points = stack.cfg.failpoints or world.points
+        point = points[result.faults[kind] % len(points)]  # each point in turn
+        name = "worker-control" if point in RELEASE_POINTS else "worker-acquire"
+        stack.kill(name)
+        stack.spawn(name, {"SANDMAN_FAILPOINT": point})
+        proc = stack.procs[name]
+        with contextlib.suppress(TimeoutError):  # no traffic reached the point: say so
+            wait_for(lambda: proc.poll() is not None, 120, f"{name} to reach {point}")
+        reached = proc.poll() == failpoints.EXIT_CODE
+        result.failpoint_crashes[point if reached else f"{point} (not reached)"] += 1
+        stack.kill(name)
+        stack.spawn(name)
         stack.wait_ready(name)
     elif kind == "kill_beat":
         stack.kill("beat")
@@ -463,19 +524,16 @@ def _is_log(path: Path) -> bool:
     return path.suffix in (".log", ".jsonl") or "log" in path.parent.name
 
 
-def _final_ownership(stack: Stack, admin: Any, sessions: Any, result: Result) -> None:
+def _final_ownership(stack: Stack, running: set[str], sessions: Any, result: Result) -> None:
+    """Every sandbox the world shows (``running``: its own count, not the backend's) has
+    exactly one live row, and every live row has a sandbox."""
     from sqlalchemy import func, select
 
-    from broker.backends.base import LABEL_NONCE
-    from broker.backends.kube.backend import KubeBackend
     from broker.ledger.models import Event, Sandbox
 
-    pods = KubeBackend(admin, installation=stack.installation).list_installation(
-        stack.namespace, stack.installation
-    )
     with sessions() as s:
         rows = s.execute(
-            select(Sandbox.nonce, Sandbox.pod_name).where(
+            select(Sandbox.pod_name).where(
                 Sandbox.installation == stack.installation, Sandbox.state.in_(_live())
             )
         ).all()
@@ -489,23 +547,20 @@ def _final_ownership(stack: Stack, admin: Any, sessions: Any, result: Result) ->
             )
             or 0
         )
-    by_nonce = Counter(n for n, _ in rows)
-    for pod in pods:
-        if pod.name.startswith("sentinel-"):
+    by_name = Counter(name for (name,) in rows)
+    for name in sorted(running):
+        if name.startswith("sentinel-"):
             continue  # not ours by nonce: counted by the sentinel invariant
-        if by_nonce.get(pod.labels.get(LABEL_NONCE, ""), 0) != 1:
+        if by_name.get(name, 0) != 1:
             result.violations["pods_without_one_live_row"] += 1
-            result.details.append(
-                f"pod {pod.name} has {by_nonce.get(pod.labels.get(LABEL_NONCE, ''), 0)} live rows"
-            )
-    pod_nonces = {p.labels.get(LABEL_NONCE) for p in pods}
-    for nonce, name in rows:
-        if nonce not in pod_nonces:
+            result.details.append(f"pod {name} has {by_name.get(name, 0)} live rows")
+    for name in sorted(by_name):
+        if name not in running:
             result.violations["live_rows_without_pod"] += 1
             result.details.append(f"live row {name} has no pod")
 
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["trainer"]:
-        out, url, timeout, seed, stop_path = sys.argv[2:7]
-        trainer_main(out, url, float(timeout), int(seed), stop_path)
+        out, url, timeout, seed, stop_path, image = sys.argv[2:8]
+        trainer_main(out, url, float(timeout), int(seed), stop_path, image)

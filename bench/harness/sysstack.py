@@ -20,8 +20,11 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import REPO, free_port
+from bench.kwok import KWOK_IMAGE
+from broker.local.demo import DEMO_IMAGE
 
 JOB = "syscampaign"
+LOCAL_IMAGE = DEMO_IMAGE  # in the local store (make local-images)
 FAULT_KINDS = (
     "kill_worker",
     "kill_beat",
@@ -31,7 +34,10 @@ FAULT_KINDS = (
     "api_delay",
     "api_reset",
     "kill_trainer",
+    "crash_at_failpoint",
 )
+# The local backend has no API server in between: no proxy faults there.
+LOCAL_FAULT_KINDS = tuple(k for k in FAULT_KINDS if not k.startswith("api_"))
 
 
 def port_open(port: int) -> bool:
@@ -45,8 +51,9 @@ def port_open(port: int) -> bool:
 class Config:
     """One campaign: where, how long, how many trainers, which faults, which budgets."""
 
-    kubeconfig: str
+    kubeconfig: str  # empty on the local backend
     state_dir: Path
+    backend: str = "kubernetes"  # or "local": bubblewrap sandboxes with a real execd
     duration_s: float = 60.0
     trainers: int = 4
     seed: int = 1
@@ -59,6 +66,9 @@ class Config:
     create_lease_margin_s: float = 3.0
     gc_interval_s: float = 5.0
     sentinels: int = 4
+    # Failpoints the crash_at_failpoint fault cycles through; empty: every point the
+    # backend has (bench/harness/sysworld.py).
+    failpoints: tuple[str, ...] = ()
 
 
 class Stack:
@@ -75,7 +85,7 @@ class Stack:
             state_dir=cfg.state_dir,
             embedded_pg_port=free_port(),
             embedded_redis_port=free_port(),
-            backend="kubernetes",
+            backend="local" if cfg.backend == "local" else "kubernetes",
             namespace=self.namespace,
             installation_id=self.installation,
             secret_key=os.urandom(16).hex(),
@@ -94,6 +104,7 @@ class Stack:
         self.killed_trainers: set[int] = set()
         self.next_trainer = 0
         self.stop_file = cfg.state_dir / "trainers.stop"
+        self.image = LOCAL_IMAGE if cfg.backend == "local" else KWOK_IMAGE
         self.database_url = self.redis_url = ""
         self.proxy_kubeconfig = ""
 
@@ -148,7 +159,8 @@ class Stack:
         env["SANDMAN_KUBECONFIG"] = self.proxy_kubeconfig
         return env
 
-    def spawn(self, name: str) -> None:
+    def spawn(self, name: str, extra_env: dict[str, str] | None = None) -> None:
+        """Start ``name``; ``extra_env`` adds variables (an armed failpoint)."""
         from broker.local.stack import beat_argv, worker_argv
 
         if name == "beat":
@@ -161,7 +173,12 @@ class Stack:
         self.log_offset[name] = path.stat().st_size if path.exists() else 0
         with path.open("ab") as log:
             self.procs[name] = subprocess.Popen(
-                argv, env=self.env(), stdout=log, stderr=log, stdin=subprocess.DEVNULL, cwd=REPO
+                argv,
+                env={**self.env(), **(extra_env or {})},
+                stdout=log,
+                stderr=log,
+                stdin=subprocess.DEVNULL,
+                cwd=REPO,
             )
 
     def ready(self, name: str) -> bool:
@@ -187,6 +204,7 @@ class Stack:
             str(self.cfg.acquire_timeout_s),
             str(self.cfg.seed * 1000 + i),
             str(self.stop_file),
+            self.image,
         ]
         with (self.logs / f"trainer-{i}.log").open("ab") as log:
             self.trainers[i] = subprocess.Popen(

@@ -174,7 +174,7 @@ class Broker:
                 deadline,
                 give_up=give_up,
                 workdir=request.workdir,
-                env=dict(request.env),
+                env=request.sandbox_env(),
             )
         finally:
             self.watcher.unwatch(rid)

@@ -132,6 +132,10 @@ class Backend(Protocol):
 
     def has_egress_guard(self, namespace: str, job: str) -> bool: ...
 
+    def check_image(self, image: str) -> None:
+        """Raise ImageNotFound when ``image`` cannot run here; called by the provider's
+        admission BEFORE the intent row is written, so a missing image leaves nothing."""
+
     def create(self, spec: PodSpec) -> PodInfo:
         """Submit the pod. Raises KubeConflict when the name exists (read back then)."""
 

@@ -2,30 +2,36 @@
 
 Isolation chosen, and why:
 - own PID, IPC, UTS (and cgroup, where allowed) namespaces; all capabilities dropped;
-  the host root mounted READ-ONLY as the "image" (the image name is recorded, not
-  pulled), a private writable workspace, a private /tmp, the broker's state dir and
-  $HOME hidden behind empty tmpfs (they hold the database and Redis passwords), and the
-  repository's execd bound read-only at /sandman/execd.
+- the sandbox is rooted in its task image: the image comes from the local image store
+  (``broker.images``, ``sandman image import``), is unpacked once per digest, and each
+  sandbox gets its own writable layer over it (``broker.backends.localroot``). Nothing of
+  the host is visible but the repository's execd (read-only, /sandman/execd), /proc, a
+  minimal /dev, a private /tmp, the workspace and, for an image without python3, the
+  host interpreter execd runs on. An image missing from the store is ``ImageNotFound``
+  from ``check_image``, before any ledger row or process exists.
 - NOT a network namespace: execd must stay reachable from the broker and trainers on
   127.0.0.1:<port> in the host netns, and an unshared netns would cut it off. So the
   local backend cannot deny egress; it reports no egress guard and the provider
   refuses egress-denied jobs here rather than pretending (GuardMissing).
 - CPU and memory are recorded, not enforced (no cgroup delegation on a laptop).
 
-"Pods" survive broker and worker restarts: the process is started in its own session,
-and its labels, nonce, pid and port live in ``state_dir/local-pods/<name>.json``, so
-get / list / delete-by-nonce and the GC find it again from any process.
+"Pods" survive broker and worker restarts: the process is started in its own session.
+Like a pod, a sandbox is findable from durable state written BEFORE it starts, whatever
+became of its creator: its record (``state_dir/local-pods/<name>.json``: labels, nonce,
+port; fsynced) and the marker on its command line (installation, namespace, name, nonce;
+``broker.backends.localprocs``). ``list_*`` report what the kernel shows running (plus
+records without a process, as Pending or Failed pods); ``delete`` kills by name and
+nonce and confirms by the same scan; the port lock names its sandbox and goes with it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import fcntl
 import json
 import os
-import random
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -35,12 +41,20 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from broker.backends.base import LABEL_INSTALLATION, LABEL_NONCE, PodInfo, PodSpec
-from broker.errors import GuardMissing, KubeConflict, KubeUnavailable
+from broker import failpoints
+from broker.backends import localprocs
+from broker.backends.base import LABEL_INSTALLATION, LABEL_NONCE, MANAGED_BY, PodInfo, PodSpec
+from broker.backends.localports import PortLocks
+from broker.backends.localroot import SandboxRoot, host_python, image_python, overlay_works
+from broker.errors import GuardMissing, ImageInvalid, ImageNotFound, KubeConflict, KubeUnavailable
+from broker.images.store import ImageStore
 from broker.settings import Settings
 
 REPO_ROOT = Path(__file__).resolve().parent.parent.parent
 _SKIP_TOP = frozenset({"proc", "dev", "tmp", "sys", "run", "workspace", "sandman", "lost+found"})
+# How long a delete waits for SIGKILLed sandbox processes to vanish from /proc before it
+# reports the delete as not confirmed (the provider keeps it pending; the GC retries).
+KILL_CONFIRM_S = 10.0
 _children: dict[int, subprocess.Popen[bytes]] = {}
 _children_lock = threading.Lock()
 
@@ -71,22 +85,6 @@ def _reap_exited() -> None:
             del _children[pid]
 
 
-# Below Linux's default ephemeral range (32768-60999): a port picked there could be taken
-# as the source port of any outgoing connection between our pick and execd's bind (one
-# sandbox in ~10,000 failed to start that way under the load run). Ports here are handed
-# out only by this claim, and the claim is a lock file, so concurrent workers never share.
-PORT_RANGE = (20000, 32000)
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
 def _healthz(port: int, timeout: float = 0.5) -> bool:
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
@@ -112,6 +110,38 @@ def _sandbox_python(hidden: list[Path]) -> tuple[str, str | None]:
     return real, None
 
 
+def _write_durably(path: Path, meta: dict[str, Any], *, exclusive: bool) -> None:
+    """Write ``meta`` as JSON and fsync it and its folder: on disk before anything that
+    depends on it happens (a sandbox starts). ``exclusive``: fail if ``path`` exists
+    (FileExistsError); otherwise replace it atomically."""
+    target = path if exclusive else path.with_suffix(".tmp")
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_EXCL if exclusive else os.O_TRUNC)
+    fd = os.open(target, flags, 0o600)
+    try:
+        os.write(fd, json.dumps(meta).encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    if not exclusive:
+        target.replace(path)
+    folder = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(folder)
+    finally:
+        os.close(folder)
+
+
+def _workdir(requested: str, *, nested: bool) -> str:
+    """The sandbox's working directory: an absolute path other than ``/`` (one level only
+    on the host root, whose other top-level directories are the host's), else /workspace."""
+    parts = [p for p in requested.split("/") if p]
+    if not requested.startswith("/") or not parts or any(p in (".", "..") for p in parts):
+        return "/workspace"
+    if not nested and len(parts) > 1:
+        return "/workspace"
+    return "/" + "/".join(parts)
+
+
 def _token_pipe(token: str) -> int:
     """A pipe's read end holding ``token`` and then EOF (the write end is closed already).
 
@@ -133,13 +163,33 @@ class LocalBackend:
 
     name = "local"
 
-    def __init__(self, settings: Settings, *, execd_dir: Path | None = None) -> None:
+    def __init__(
+        self, settings: Settings, *, execd_dir: Path | None = None, host_root: bool = False
+    ) -> None:
+        """``host_root`` runs sandboxes on the host's root, read-only, ignoring the image:
+        the pre-image behaviour, kept ONLY so bench/local_images.py can measure it."""
         self.root = Path(settings.state_dir) / "local-pods"
         self.root.mkdir(parents=True, exist_ok=True)
         self.hidden = [Path(settings.state_dir), Path.home()]
         self.execd_dir = execd_dir or REPO_ROOT / "execd"
         self.python, self.python_prefix = _sandbox_python(self.hidden)
         self.bwrap = shutil.which("bwrap")
+        self.failpoint = failpoints.armed(settings.failpoint)
+        self.mark_root = self.mark_root_of(settings.state_dir)
+        self.ports = PortLocks(self.root / ".ports", self._orphaned)
+        self.images = ImageStore.at_cache(settings.cache_dir)
+        self.host_root = host_root
+
+    @staticmethod
+    def mark_root_of(state_dir: Path) -> Path:
+        """The prefix of this state dir's sandbox markers; resolved, so that it reads the
+        same in every process whatever its cwd or the symlinks on the way."""
+        return (Path(state_dir) / "local-pods").resolve()
+
+    def check_image(self, image: str) -> None:
+        """ImageNotFound unless ``image`` (a ref or a digest) is in the local store."""
+        if not self.host_root:
+            self.images.resolve(image)
 
     # -- guards: nothing cluster-side to install locally -------------------------------
 
@@ -160,32 +210,62 @@ class LocalBackend:
     def _workspace(self, name: str) -> Path:
         return self.root / name / "workspace"
 
-    def _argv(self, spec: PodSpec, port: int, workspace: Path, info_fd: int) -> list[str]:
+    def _sandbox_root(self, spec: PodSpec) -> SandboxRoot | None:
+        """Unpack the image if this is its first use, then lay the sandbox's own writable
+        layer over it (None on the benchmark-only host root)."""
+        if self.host_root:
+            return None
+        rootfs = self.images.rootfs(self.images.resolve(spec.image))
+        root = SandboxRoot(rootfs, self.root / spec.name, overlay=overlay_works(self.root))
+        root.prepare()
+        return root
+
+    def _image_argv(
+        self, spec: PodSpec, mark: str, root: SandboxRoot
+    ) -> tuple[list[str], list[str]]:
+        """bwrap's first arguments on an image root, and the python that runs execd."""
+        assert self.bwrap is not None
+        # The marker comes first (localprocs reads the first one), before any option the
+        # image or the request's env adds.
+        argv = [self.bwrap, *localprocs.marker_args(mark)]
+        argv += ["--bind", str(root.merged), "/", "--dev", "/dev", "--proc", "/proc"]
+        argv += root.network_files(spec.name[:63])
+        python = image_python(root.rootfs)
+        if python is None:
+            hosted = host_python()
+            argv += hosted.binds()
+            command = hosted.command()
+        else:
+            command = [python]
+        for item in self.images.config(self.images.resolve(spec.image)).get("Env") or []:
+            key, sep, value = str(item).partition("=")
+            if sep and key:
+                argv += ["--setenv", key, value]
+        return argv, command
+
+    def _argv(
+        self,
+        spec: PodSpec,
+        mark: str,
+        port: int,
+        workspace: Path,
+        info_fd: int,
+        *,
+        root: SandboxRoot | None = None,
+    ) -> list[str]:
         if self.bwrap is None:
             raise KubeUnavailable("bubblewrap (bwrap) is not installed: apt-get install bubblewrap")
-        # The root is a fresh tmpfs: every top-level host directory is bound read-only
-        # into it, so mount points for the workspace and execd can be created.
-        argv = [self.bwrap]
-        for entry in sorted(os.listdir("/")):
-            if entry in _SKIP_TOP or not os.path.isdir("/" + entry):
-                continue
-            if os.path.islink("/" + entry):
-                argv += ["--symlink", os.readlink("/" + entry), "/" + entry]
-            else:
-                argv += ["--ro-bind", "/" + entry, "/" + entry]
-        argv += ["--dev", "/dev", "--proc", "/proc"]
-        for hidden in self.hidden:
-            if hidden.exists() and hidden != Path("/"):
-                argv += ["--tmpfs", str(hidden)]
-        workdir = (
-            spec.workdir if spec.workdir.count("/") == 1 and len(spec.workdir) > 1 else "/workspace"
-        )
+        if root is not None:
+            argv, python = self._image_argv(spec, mark, root)
+        else:
+            argv, python = self._host_root_argv(mark), [self.python]
+        workdir = _workdir(spec.workdir, nested=root is not None)
+        argv += ["--tmpfs", "/tmp"]  # noqa: S108 (a private tmpfs inside the sandbox)
+        if root is None or not (root.rootfs / workdir.lstrip("/")).is_dir():
+            # A workdir the image has (a task's repository) is the image's, in the
+            # sandbox's own layer; any other gets an empty workspace of its own.
+            argv += ["--bind", str(workspace), workdir]
         argv += [
-            "--tmpfs",
-            "/tmp",  # noqa: S108 (a private tmpfs inside the sandbox)
-            "--bind",
-            str(workspace),
-            workdir,
             "--ro-bind",
             str(self.execd_dir),
             "/sandman/execd",
@@ -212,7 +292,7 @@ class LocalBackend:
             argv += ["--setenv", key, value]
         argv += [
             "--",
-            self.python,
+            *python,
             "-m",
             "execd",
             "--listen",
@@ -222,34 +302,72 @@ class LocalBackend:
         ]
         return argv
 
+    def _host_root_argv(self, mark: str) -> list[str]:
+        """The benchmark-only host root: a fresh tmpfs with every top-level host directory
+        bound read-only into it, the state dir and $HOME hidden."""
+        assert self.bwrap is not None
+        argv = [self.bwrap, *localprocs.marker_args(mark)]
+        for entry in sorted(os.listdir("/")):
+            if entry in _SKIP_TOP or not os.path.isdir("/" + entry):
+                continue
+            if os.path.islink("/" + entry):
+                argv += ["--symlink", os.readlink("/" + entry), "/" + entry]
+            else:
+                argv += ["--ro-bind", "/" + entry, "/" + entry]
+        argv += ["--dev", "/dev", "--proc", "/proc"]
+        for hidden in self.hidden:
+            if hidden.exists() and hidden != Path("/"):
+                argv += ["--tmpfs", str(hidden)]
+        return argv
+
     def create(self, spec: PodSpec) -> PodInfo:
+        """Start the sandbox, its whole identity made durable BEFORE the process exists.
+
+        Order: the marker (validated), a port lock naming the sandbox, the record
+        (``<name>.json``: labels, nonce, port, marker; O_EXCL, fsynced), and only then
+        the process, marked on its command line. A creator killed at any point leaves
+        nothing that ``list_*`` and ``delete`` cannot find: before the record, at most a
+        port lock that names a sandbox with no record (freed when found stale); after
+        it, a record and perhaps a process, both carrying the nonce. The pid written
+        after the start is a cache for ``get``, never the way a sandbox is found.
+        """
+        mark = localprocs.marker(
+            self.mark_root, spec.installation, spec.namespace, spec.name, spec.nonce
+        )
         meta_path = self._meta_path(spec.name)
+        if meta_path.exists():  # O_EXCL below decides; this spares a port claim
+            raise KubeConflict(f"local pod {spec.name} exists", status=409)
+        port = self.ports.claim(spec.name)
         meta: dict[str, Any] = {
             "name": spec.name,
             "namespace": spec.namespace,
             "labels": spec.labels(),
             "created_at": dt.datetime.now(dt.UTC).isoformat(),
+            "mark": mark,
+            "port": port,
             "pid": None,
-            "port": None,
             "cpu_m": spec.cpu_m,
             "memory_b": spec.memory_b,
             "image": spec.image,
         }
         try:  # O_EXCL: the name is the idempotency key, exactly like a pod name.
-            fd = os.open(meta_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            _write_durably(meta_path, meta, exclusive=True)
         except FileExistsError as exc:
+            self.ports.release(port, spec.name)
             raise KubeConflict(f"local pod {spec.name} exists", status=409) from exc
-        with os.fdopen(fd, "w") as fh:
-            json.dump(meta, fh)
+        except OSError as exc:
+            self.ports.release(port, spec.name)
+            raise KubeUnavailable(f"cannot record local pod {spec.name}: {exc}") from exc
         workspace = self._workspace(spec.name)
         workspace.mkdir(parents=True, exist_ok=True)
-        port = self._claim_port()
         log = (self.root / spec.name / "execd.log").open("ab")
         read_fd, write_fd = os.pipe()
         token_fd = _token_pipe(spec.token)
         try:
+            root = self._sandbox_root(spec)
+            argv = self._argv(spec, mark, port, workspace, write_fd, root=root)
             proc = subprocess.Popen(
-                self._argv(spec, port, workspace, write_fd),
+                root.wrap(argv) if root is not None else argv,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=log,
@@ -265,11 +383,14 @@ class LocalBackend:
                     "SANDMAN_EXECD_TOKEN_FD": str(token_fd),
                 },
             )
-        except (OSError, KubeUnavailable) as exc:
+        except (OSError, KubeUnavailable, subprocess.CalledProcessError) as exc:
             os.close(read_fd)
-            meta_path.unlink(missing_ok=True)
-            self._release_port(port)
+            self._forget(spec.name, meta)
             raise KubeUnavailable(f"cannot start bwrap: {exc}") from exc
+        except (ImageNotFound, ImageInvalid):
+            os.close(read_fd)
+            self._forget(spec.name, meta)
+            raise
         finally:
             os.close(write_fd)
             os.close(token_fd)
@@ -277,11 +398,16 @@ class LocalBackend:
         with _children_lock:
             _children[proc.pid] = proc
         _reap_exited()
+        self.failpoint("after-sandbox-start")
         child = self._read_info(read_fd)
-        meta.update(pid=proc.pid, start=_proc_start(proc.pid), child_pid=child, port=port)
-        tmp = meta_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(meta))
-        tmp.replace(meta_path)
+        meta.update(pid=proc.pid, child_pid=child)
+        # A cache (without it `get` scans instead), written under the record's lock and
+        # only while the record exists: a delete that won the race (a GC settling a
+        # create it thought dead) is not undone; its process is then listed from its
+        # marker and removed as a late pod.
+        with self._record_lock(spec.name), contextlib.suppress(OSError):
+            if meta_path.exists():
+                _write_durably(meta_path, meta, exclusive=False)
         return self._info(meta)
 
     @staticmethod
@@ -301,16 +427,46 @@ class LocalBackend:
             return None
         return data
 
-    def _alive(self, meta: dict[str, Any]) -> bool:
-        pid = meta.get("pid")
-        return pid is not None and _proc_start(int(pid)) == meta.get("start")
+    def _mark_of(self, meta: dict[str, Any]) -> str:
+        return str(
+            meta.get("mark")
+            or localprocs.marker(
+                self.mark_root,
+                meta["labels"].get(LABEL_INSTALLATION, "-"),
+                meta["namespace"],
+                meta["name"],
+                meta["labels"].get(LABEL_NONCE, "-"),
+            )
+        )
 
-    def _info(self, meta: dict[str, Any], *, probe: bool = True) -> PodInfo:
-        alive = self._alive(meta)
+    def _processes(self, name: str, nonce: str | None = None) -> list[localprocs.SandboxProcess]:
+        return [
+            p
+            for p in localprocs.scan(self.mark_root)
+            if p.name == name and (nonce is None or p.nonce == nonce)
+        ]
+
+    def _running(self, meta: dict[str, Any]) -> bool:
+        """The recorded pid, if it still carries the sandbox's marker (cheap: the ready
+        poll asks this every 20 ms); else a scan, for a sandbox whose creator died before
+        it could record the pid."""
+        mark = self._mark_of(meta)
+        pid = meta.get("pid")
+        if pid is not None and localprocs.is_marked(int(pid), mark):
+            return True
+        return bool(self._processes(meta["name"], meta["labels"].get(LABEL_NONCE)))
+
+    def _info(
+        self, meta: dict[str, Any], *, probe: bool = True, running: bool | None = None
+    ) -> PodInfo:
+        alive = self._running(meta) if running is None else running
         port = meta.get("port")
-        pending = meta.get("pid") is None
+        # A record without a recorded pid or a process: a create between its record and
+        # its start (Pending, like a pod not yet scheduled), or one whose creator died
+        # there, which the GC settles by the row's lease.
+        pending = not alive and meta.get("pid") is None
         ready = alive and port is not None and probe and _healthz(int(port))
-        phase = "Pending" if pending else ("Running" if alive else "Failed")
+        phase = "Running" if alive else ("Pending" if pending else "Failed")
         return PodInfo(
             name=meta["name"],
             namespace=meta["namespace"],
@@ -332,44 +488,67 @@ class LocalBackend:
         return self._info(meta)
 
     def delete(self, namespace: str, name: str, nonce: str) -> bool:
-        meta = self._load(name)
-        if meta is None:
-            return True
-        if meta["labels"].get(LABEL_NONCE) != nonce:
-            return False  # replaced under the same name: not the pod the caller owns
-        for key in ("child_pid", "pid"):
-            pid = meta.get(key)
-            if pid and (key == "child_pid" or self._alive(meta)):
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.kill(int(pid), signal.SIGKILL)  # the PID-ns init: everything inside dies
-        if meta.get("pid") and self._alive(meta):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(int(meta["pid"]), signal.SIGKILL)
-        self._reap(meta.get("pid"))
-        shutil.rmtree(self.root / name, ignore_errors=True)
-        self._meta_path(name).unlink(missing_ok=True)
-        if meta.get("port"):
-            self._release_port(int(meta["port"]))
+        """Kill every process marked with this name AND nonce, confirm by a scan that none
+        is left, then drop the workspace, the port lock and (last) the record.
+
+        The record stays until the processes are confirmed gone, so a failed or
+        interrupted delete leaves the sandbox findable for the retry. Concurrent deletes
+        of one sandbox (a release and a GC pass) take turns on the record's lock."""
+        with self._record_lock(name) as lock:
+            meta = self._load(name)
+            if meta is not None and meta["labels"].get(LABEL_NONCE) != nonce:
+                return False  # replaced under the same name: not the pod the caller owns
+            ours = self._processes(name)
+            if meta is None and ours and not any(p.nonce == nonce for p in ours):
+                return False  # a process of that name with another nonce: not ours
+            ours = [p for p in ours if p.nonce == nonce]
+            deadline = time.monotonic() + KILL_CONFIRM_S
+            while ours:
+                localprocs.kill(ours)
+                self._reap(meta.get("pid") if meta else None)
+                _reap_exited()
+                if time.monotonic() >= deadline:
+                    raise KubeUnavailable(
+                        f"local pod {name}: {len(ours)} processes still alive after SIGKILL"
+                    )
+                time.sleep(0.02)
+                ours = self._processes(name, nonce)
+            self._forget(name, meta)
+            lock.unlink(missing_ok=True)
         return True
 
-    def _claim_port(self) -> int:
-        """A loopback port no other sandbox holds and nothing is bound to (see PORT_RANGE)."""
-        locks = self.root / ".ports"
-        locks.mkdir(parents=True, exist_ok=True)
-        rng = random.SystemRandom()
-        for _ in range(500):
-            port = rng.randrange(*PORT_RANGE)
-            try:
-                os.close(os.open(locks / str(port), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
-            except FileExistsError:
-                continue
-            if _bindable(port):
-                return port
-            self._release_port(port)
-        raise KubeUnavailable("no free loopback port for a local sandbox")
+    def _forget(self, name: str, meta: dict[str, Any] | None) -> None:
+        """Drop what a sandbox with no process left: workspace, port locks, record."""
+        shutil.rmtree(self.root / name, ignore_errors=True)
+        for port in self.ports.held_by(name):
+            self.ports.release(port, name)
+        self._meta_path(name).unlink(missing_ok=True)
 
-    def _release_port(self, port: int) -> None:
-        (self.root / ".ports" / str(port)).unlink(missing_ok=True)
+    @contextlib.contextmanager
+    def _record_lock(self, name: str) -> Iterator[Path]:
+        """An exclusive flock on ``.locks/<name>``, yielding its path. A delete removes the
+        file while holding it, so a waiter re-checks that the file it locked is still the
+        one at the path (else it locks the new one): one file per live sandbox, no pile."""
+        locks = self.root / ".locks"
+        locks.mkdir(exist_ok=True)
+        path = locks / name
+        while True:
+            fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                if os.fstat(fd).st_ino == os.stat(path).st_ino:
+                    break
+            except FileNotFoundError:
+                pass
+            os.close(fd)
+        try:
+            yield path
+        finally:
+            os.close(fd)
+
+    def _orphaned(self, name: str) -> bool:
+        """No record and no process: what a port lock names after its claimer died."""
+        return not self._meta_path(name).exists() and not self._processes(name)
 
     @staticmethod
     def _reap(pid: int | None) -> None:
@@ -379,24 +558,51 @@ class LocalBackend:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=2)
 
-    def _all(self) -> list[dict[str, Any]]:
+    def _listed(self, namespace: str) -> list[PodInfo]:
+        """What runs (the scan), joined with the records for labels; plus records whose
+        process is gone (Failed) or not started (Pending), as pods that still exist.
+
+        A running sandbox whose record is missing (or names another nonce) is listed from
+        its marker alone: installation, name and nonce are enough for the GC to decide."""
+        procs: dict[str, localprocs.SandboxProcess] = {}
+        for proc in localprocs.scan(self.mark_root):
+            if proc.namespace == namespace:
+                procs.setdefault(proc.name, proc)
         out = []
         for path in sorted(self.root.glob("*.json")):
             meta = self._load(path.stem)
-            if meta is not None:
-                out.append(meta)
+            if meta is None or meta.get("namespace") != namespace:
+                continue
+            found = procs.get(meta["name"])
+            if found is not None and found.nonce == meta["labels"].get(LABEL_NONCE):
+                del procs[meta["name"]]
+                out.append(self._info(meta, probe=False, running=True))
+            else:
+                out.append(self._info(meta, probe=False, running=False))
+        for proc in procs.values():
+            out.append(
+                PodInfo(
+                    name=proc.name,
+                    namespace=proc.namespace,
+                    labels={
+                        LABEL_INSTALLATION: proc.installation,
+                        LABEL_NONCE: proc.nonce,
+                        MANAGED_BY: "sandman-broker",
+                    },
+                    phase="Running",
+                    ready=False,
+                    ip="127.0.0.1",
+                    node=socket.gethostname(),
+                    reason="NoRecord",
+                )
+            )
         return out
 
     def list_installation(self, namespace: str, installation: str) -> list[PodInfo]:
-        return [
-            self._info(m, probe=False)
-            for m in self._all()
-            if m.get("namespace") == namespace
-            and m["labels"].get(LABEL_INSTALLATION) == installation
-        ]
+        return [p for p in self._listed(namespace) if p.installation == installation]
 
     def list_all_labelled(self, namespace: str) -> list[PodInfo]:
-        return [self._info(m, probe=False) for m in self._all() if m.get("namespace") == namespace]
+        return self._listed(namespace)
 
     def wait_gone(self, namespace: str, name: str, timeout_s: float) -> bool:
         """Poll (20 ms): a local sandbox is gone once its process and state are."""

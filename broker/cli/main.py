@@ -219,9 +219,9 @@ def egress_check(  # noqa: PLR0917 (click passes options positionally)
 
 
 def _register_subcommands() -> None:
-    from broker.cli import grading, replay, run, web
+    from broker.cli import grading, images, replay, run, web
 
-    for module in (run, grading, web, replay):
+    for module in (run, grading, web, replay, images):
         module.register(main)
 
 

@@ -7,6 +7,7 @@ Registered by ``broker.cli.main``. Celery processes are started as subprocesses
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import json
 import os
 import signal
@@ -153,6 +154,12 @@ def register(group: click.Group) -> None:
     @click.option("--max-reuses", type=int, default=None)
     @click.option("--lease-s", type=float, default=None)
     @click.option("--readiness-budget-s", type=float, default=None)
+    @click.option(
+        "--egress",
+        default=None,
+        metavar="allow|deny|CIDR[,CIDR...]",
+        help="The job's egress policy: allow (default), deny, or deny except these CIDRs.",
+    )
     @click.pass_context
     def job_create(  # noqa: PLR0917 (click passes options positionally)
         ctx: click.Context,
@@ -166,6 +173,7 @@ def register(group: click.Group) -> None:
         max_reuses: int | None,
         lease_s: float | None,
         readiness_budget_s: float | None,
+        egress: str | None,
     ) -> None:
         """Create or update job NAME."""
         from broker.errors import SandmanError
@@ -184,11 +192,13 @@ def register(group: click.Group) -> None:
             if value is not None:
                 config[key] = value
         config["max_reuses"] = max_reuses if max_reuses is not None else settings.max_reuses
-        if warm:
-            try:
+        try:
+            if warm:
                 config["warm_pools"] = [parse_warm(w, settings.idle_timeout_s) for w in warm]
-            except (ValueError, SandmanError) as exc:
-                raise click.ClickException(str(exc)) from exc
+            if egress is not None:
+                config.update(parse_egress(egress))
+        except (ValueError, SandmanError) as exc:
+            raise click.ClickException(str(exc)) from exc
         try:
             root = tool_root(settings, actor="cli")
         except SandmanError as exc:
@@ -205,6 +215,8 @@ def register(group: click.Group) -> None:
                             "warm_pools": row.warm_pools,
                             "create_rate": row.create_rate,
                             "reuse": row.reuse,
+                            "egress": row.egress,
+                            "egress_allow": row.egress_allow,
                         }
                     )
                 )
@@ -240,6 +252,27 @@ def register(group: click.Group) -> None:
         client = SandboxClient.from_settings(_settings(ctx))
         client.send(Task.RELEASE, [sandbox_id, "released"], QUEUE_RELEASE)
         click.echo(f"release of {sandbox_id} queued")
+
+
+def parse_egress(text: str) -> dict[str, Any]:
+    """``allow`` | ``deny`` | ``CIDR[,CIDR...]`` -> the job's ``egress``/``egress_allow``.
+
+    A CIDR list means "deny, except these destinations" (the job store's ``allowlist``);
+    ``allow`` and ``deny`` clear the list, so a later ``deny`` never keeps old holes.
+    """
+    from broker.errors import InvalidRequest
+
+    word = text.strip()
+    if word in ("allow", "deny"):
+        return {"egress": word, "egress_allow": []}
+    cidrs = [c.strip() for c in word.split(",")]
+    try:
+        nets = [str(ipaddress.ip_network(c, strict=True)) for c in cidrs]
+    except ValueError as exc:
+        raise InvalidRequest(
+            f"--egress {text!r}: expected allow, deny or comma-separated CIDRs ({exc})"
+        ) from exc
+    return {"egress": "allowlist", "egress_allow": nets}
 
 
 def parse_warm(text: str, default_idle_s: float) -> dict[str, Any]:

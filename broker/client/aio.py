@@ -208,6 +208,8 @@ class AsyncSandboxClient(ClientBase):
 
     async def _claim_warm(self, request: dict[str, Any]) -> AsyncSandbox | None:
         """Try the job's warm pool: atomic claim, then a health check; retry past the sick."""
+        if not core.warm_eligible(request):
+            return None
         keys, args = core.warm_claim(request)
         try:
             while (

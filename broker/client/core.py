@@ -50,6 +50,7 @@ ACQUIRE_DEFAULTS: dict[str, Any] = {
     "base_commit": None,
     "workdir": "/",
     "env": None,
+    "visible_cpus": None,
 }
 ACQUIRE_ARGS = frozenset({"image", "job", *ACQUIRE_DEFAULTS})
 
@@ -131,6 +132,18 @@ def acquire_seconds(request: dict[str, Any], now: float) -> float:
 
 
 # -- warm pools -------------------------------------------------------------------------
+
+
+def warm_eligible(request: dict[str, Any]) -> bool:
+    """Can a warm pod serve this request? Warm pods were started with the defaults: no
+    env, the default workdir, no CPU pinning (execd applies all three at its start). A
+    request that asks for any of them always creates, or it would silently run without
+    them (a grading sandbox without its PYTHONHASHSEED or TZ, a rollout in another cwd)."""
+    return (
+        request.get("visible_cpus") is None
+        and not request.get("env")
+        and request.get("workdir", ACQUIRE_DEFAULTS["workdir"]) == ACQUIRE_DEFAULTS["workdir"]
+    )
 
 
 def warm_claim(request: dict[str, Any]) -> tuple[list[str], list[Any]]:

@@ -211,7 +211,7 @@ class SandboxClient(ClientBase):
         """Acquire a sandbox the caller must ``release()`` (prefer ``acquire``).
 
         Arguments: image, job (required); cpu, memory, timeout, role, image_digest,
-        base_commit, workdir, env (see ``broker.client.core.ACQUIRE_DEFAULTS``).
+        base_commit, workdir, env, visible_cpus (see ``broker.client.core.ACQUIRE_DEFAULTS``).
         """
         request = core.new_request(self.owner, **kwargs)
         sandbox = self._claim_warm(request)
@@ -258,6 +258,8 @@ class SandboxClient(ClientBase):
 
     def _claim_warm(self, request: dict[str, Any]) -> Sandbox | None:
         """Try the job's warm pool: atomic claim, then a health check; retry past the sick."""
+        if not core.warm_eligible(request):
+            return None
         keys, args = core.warm_claim(request)
         try:
             while (lease := warm.claimed_lease(self._claim(keys=keys, args=args))) is not None:

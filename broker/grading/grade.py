@@ -8,7 +8,8 @@ The protocol, per attempt:
    sections already dropped on the broker side, ``broker.grading.testrules``), restore
    the test files and every dropped path from the base commit and apply the task's
    test patch;
-4. run the test command with the declared timeout, parse per-test outcomes and
+4. run the test command with the declared timeout, judge its output
+   (``broker.grading.judge``: per-test outcomes, verdict) and
    attribute a failure to a run condition where the evidence shows one
    (``broker.grading.attribution``);
 5. release (always).
@@ -36,7 +37,8 @@ from broker.errors import (
     SandmanError,
     TemporaryError,
 )
-from broker.grading import attribution, testlog
+from broker.grading import attribution
+from broker.grading.judge import judge
 from broker.grading.patch import ExtractedPatch, is_excluded
 from broker.grading.patchfmt import filter_patch, patch_paths
 from broker.grading.probe import ProbeContradiction, ProbeReport, run_probe
@@ -139,14 +141,19 @@ class Grader:
         c = task.conditions
         return SandboxRequest(
             image=task.image_ref,
-            cpu=c.cpus if c.cpus is not None else self.config.cpu,
-            memory_b=c.memory_b if c.memory_b is not None else parse_memory(self.config.memory),
+            cpu=c.cpus if c.cpus is not None else max(self.config.cpu, c.min_cpus or 0.0),
+            memory_b=(
+                c.memory_b
+                if c.memory_b is not None
+                else max(parse_memory(self.config.memory), c.min_memory_b or 0)
+            ),
             env=c.env(),
             workdir=task.repo_path,
             base_commit=task.base_commit,
             image_digest=task.image_digest,
             role="grading",
             timeout_s=self.config.acquire_timeout_s,
+            visible_cpus=c.visible_cpus,
         )
 
     def timeout_for(self, task: TaskSpec) -> float:
@@ -302,20 +309,26 @@ class Grader:
         )
         attempt.durations["tests_s"] = time.monotonic() - t
         output = run.stdout + "\n" + run.stderr
-        outcomes = testlog.parse_output(output, task.test_runner)
-        f2p = {n: testlog.lookup(outcomes, n) for n in task.fail_to_pass}
-        p2p = {n: testlog.lookup(outcomes, n) for n in task.pass_to_pass}
+        judged = judge(
+            output,
+            task.fail_to_pass,
+            task.pass_to_pass,
+            task.test_runner,
+            exit_code=run.exit_code,
+            timed_out=run.timed_out,
+            timeout=timeout,
+        )
         result = replace(
             result,
-            tests=outcomes,
-            fail_to_pass=f2p,
-            pass_to_pass=p2p,
+            tests=judged.outcomes,
+            fail_to_pass=judged.fail_to_pass,
+            pass_to_pass=judged.pass_to_pass,
             test_exit_code=run.exit_code,
             test_timed_out=run.timed_out,
             output_tail=output[-cfg.output_tail_chars :],
             infra_kind=None,
         )
-        verdict, reason = _verdict(f2p, p2p, run.timed_out, timeout, outcomes, run.exit_code)
+        verdict, reason = judged.verdict, judged.reason
         kinds: list[str] = []
         if verdict is Verdict.UNRESOLVED:
             kinds = attribution.attribute(
@@ -404,27 +417,3 @@ def _oom_kills(sandbox: GradingSandbox, before_text: str) -> int:
 def _egress_denied(task: TaskSpec, report: ProbeReport) -> bool:
     observed = report.observed.get("egress") or {}
     return task.conditions.egress == "denied" or observed.get("state") == "denied"
-
-
-def _verdict(  # noqa: PLR0917
-    f2p: dict[str, str],
-    p2p: dict[str, str],
-    timed_out: bool,
-    timeout: float,
-    outcomes: dict[str, str],
-    exit_code: int,
-) -> tuple[Verdict, str]:
-    if timed_out:
-        return Verdict.UNRESOLVED, f"tests timed out after {timeout:g}s"
-    if not outcomes:
-        return Verdict.UNRESOLVED, f"no test results in the output (exit {exit_code})"
-    bad_f = sorted(n for n, s in f2p.items() if s not in testlog.PASSING)
-    bad_p = sorted(n for n, s in p2p.items() if s not in testlog.PASSING)
-    if not bad_f and not bad_p:
-        return Verdict.RESOLVED, "all FAIL_TO_PASS and PASS_TO_PASS pass"
-    parts = []
-    if bad_f:
-        parts.append(f"FAIL_TO_PASS not passing: {', '.join(f'{n}={f2p[n]}' for n in bad_f)}")
-    if bad_p:
-        parts.append(f"PASS_TO_PASS broken: {', '.join(f'{n}={p2p[n]}' for n in bad_p)}")
-    return Verdict.UNRESOLVED, "; ".join(parts)

@@ -9,6 +9,11 @@ Decision rules (one per declared field; undeclared fields are reported, never ch
   declaration within 1%; "unlimited" contradicts a declared limit.
 - cpus: the cgroup CPU quota must equal the declaration within 0.01 CPU.
 - visible_cpus: sched_getaffinity must show exactly that many CPUs.
+- min_cpus (checked only when declared): "at least": the CPUs the tests can use, the
+  cgroup quota capped by the visible CPUs (the visible CPUs alone when the quota is
+  unlimited), must be >= the declaration (within 0.01 CPU).
+- min_memory (only when declared): the cgroup limit must be >= the declaration (within
+  1%); unlimited satisfies it.
 - egress: "denied" needs no DNS answer or no TLS handshake (a TLS answer without a
   valid certificate means something outside answers: contradiction); "allowed" needs a
   verified TLS handshake with the expected name.
@@ -129,8 +134,9 @@ def run_probe(
 def decide(
     declared: Conditions, observed: dict[str, Any], *, grader_timeout_s: float | None
 ) -> list[FieldCheck]:
-    """One FieldCheck per condition, in a fixed order."""
-    return [
+    """One FieldCheck per condition, in a fixed order (the "at least" fields only when
+    declared: most tasks never use them)."""
+    checks = [
         _timeout(declared.timeout_s, grader_timeout_s),
         _seed(declared.pythonhashseed, observed),
         _memory(declared.memory_b, observed.get("memory") or {}),
@@ -140,6 +146,11 @@ def decide(
         _tz(declared.tz, observed.get("tz") or {}),
         _locale(declared.locale, observed.get("locale") or {}),
     ]
+    if declared.min_memory_b is not None:
+        checks.append(_min_memory(declared.min_memory_b, observed.get("memory") or {}))
+    if declared.min_cpus is not None:
+        checks.append(_min_cpus(declared.min_cpus, observed.get("cpu") or {}))
+    return checks
 
 
 def _check(name: str, declared: Any, observed: Any, bad: bool, detail: str) -> FieldCheck:
@@ -197,6 +208,31 @@ def _visible(declared: int | None, obs: dict[str, Any]) -> FieldCheck:
         return FieldCheck("visible_cpus", "unreadable", declared, None, "unreadable (affinity)")
     bad = declared is not None and visible != declared
     return _check("visible_cpus", declared, visible, bad, f"{visible} CPUs visible (affinity)")
+
+
+def _min_memory(declared: int, obs: dict[str, Any]) -> FieldCheck:
+    if not obs.get("readable"):
+        reason = obs.get("error", "not readable")
+        return FieldCheck("min_memory", "unreadable", declared, None, f"unreadable ({reason})")
+    limit = obs.get("limit_b")
+    shown = "unlimited" if limit is None else _gib(limit)
+    bad = limit is not None and limit < declared * 0.99
+    return _check("min_memory", declared, limit, bad, f"limit {shown}, at least {_gib(declared)}")
+
+
+def _min_cpus(declared: float, obs: dict[str, Any]) -> FieldCheck:
+    quota = obs.get("quota_cpus") if obs.get("quota_readable") else None
+    visible = obs.get("visible")
+    usable = [n for n in (quota, visible) if n is not None]
+    if not usable:
+        detail = "unreadable (no cpu quota and no affinity)"
+        if obs.get("quota_readable") and visible is None:
+            detail = "unreadable (quota unlimited, affinity unreadable)"
+        return FieldCheck("min_cpus", "unreadable", declared, None, detail)
+    have = min(usable)
+    shown = f"quota {'unlimited' if quota is None else f'{quota:g}'}, {visible} visible"
+    bad = have < declared - 0.01
+    return _check("min_cpus", declared, have, bad, f"{have:g} CPUs usable ({shown})")
 
 
 def _egress(declared: str | None, obs: dict[str, Any]) -> FieldCheck:

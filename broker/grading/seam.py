@@ -40,6 +40,7 @@ class SandboxRequest:
     image_digest: str | None = None
     role: str = "grading"
     timeout_s: float = 600.0
+    visible_cpus: int | None = None  # delivered: execd pins every command to this many
 
 
 Acquire = Callable[[SandboxRequest], AbstractContextManager[GradingSandbox]]

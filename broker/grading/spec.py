@@ -56,6 +56,8 @@ class Conditions:
     memory_b: int | None = None
     cpus: float | None = None
     visible_cpus: int | None = None
+    min_cpus: float | None = None  # "at least": quota (or visible CPUs if unlimited) >=
+    min_memory_b: int | None = None  # "at least": cgroup limit >= (unlimited is enough)
     egress: str | None = None  # "denied" | "allowed"
     tz: str | None = None
     locale: str | None = None
@@ -311,28 +313,39 @@ class _Parser:
                     self.err(where, f"{glob!r} matches test file {name!r}: the task's tests win")
         return globs
 
+    def memory(self, raw: dict[str, Any], key: str) -> int | None:
+        value = raw.get(key)
+        if not isinstance(value, str | int) or isinstance(value, bool):
+            return None
+        try:
+            return parse_memory(value)
+        except InvalidRequest as exc:
+            self.err(f"$.conditions.{key}", str(exc))
+            return None
+
     def conditions(self) -> Conditions:
         raw = self.doc.get("conditions") or {}
         if not isinstance(raw, dict):
             return Conditions()
-        memory = raw.get("memory")
-        memory_b = None
-        if isinstance(memory, str | int) and not isinstance(memory, bool):
-            try:
-                memory_b = parse_memory(memory)
-            except InvalidRequest as exc:
-                self.err("$.conditions.memory", str(exc))
+        memory_b = self.memory(raw, "memory")
+        min_memory_b = self.memory(raw, "min_memory")
+        for exact, least in (("cpus", "min_cpus"), ("memory", "min_memory")):
+            if exact in raw and least in raw:
+                self.err(f"$.conditions.{least}", f"give either {exact} (exact) or {least}")
         seed = raw.get("pythonhashseed")
         if isinstance(seed, str) and re.fullmatch(r"\d+", seed) and int(seed) > 4294967295:
             self.err("$.conditions.pythonhashseed", "must be <= 4294967295")
         timeout = raw.get("timeout_s")
         cpus = raw.get("cpus")
+        min_cpus = raw.get("min_cpus")
         return Conditions(
             timeout_s=float(timeout) if isinstance(timeout, int | float) else None,
             pythonhashseed=None if seed is None else str(seed),
             memory_b=memory_b,
             cpus=float(cpus) if isinstance(cpus, int | float) else None,
             visible_cpus=raw.get("visible_cpus"),
+            min_cpus=float(min_cpus) if isinstance(min_cpus, int | float) else None,
+            min_memory_b=min_memory_b,
             egress=raw.get("egress"),
             tz=raw.get("tz"),
             locale=raw.get("locale"),

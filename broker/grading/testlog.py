@@ -31,7 +31,7 @@ _UT_SUMMARY = re.compile(r"^(FAIL|ERROR): (?P<name>[A-Za-z_]\w*) \((?P<where>[\w
 _PY_STATUS = {
     word: word.lower() for word in ("PASSED", "FAILED", "ERROR", "SKIPPED", "XFAIL", "XPASS")
 }
-_PY_SUMMARY = re.compile(r"^(PASSED|FAILED|ERROR|XFAIL|XPASS) (?P<id>\S.*?)(?: - .*)?$")
+_PY_SUMMARY = re.compile(r"^(PASSED|FAILED|ERROR|XFAIL|XPASS) (?P<rest>\S.*)$")
 _PY_VERBOSE = re.compile(r"^(?P<id>\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b")
 
 
@@ -63,14 +63,41 @@ def parse_unittest(output: str) -> dict[str, str]:
     return outcomes
 
 
+def _summary_id(rest: str) -> str:
+    """The node id at the start of a ``-rA`` summary line's remainder.
+
+    pytest prints ``ID`` or ``ID - MESSAGE``. A parametrized id may itself contain
+    spaces, brackets and ``" - "`` (``test_x[p - q]``, ``test_x[x[1]]``), so the id ends
+    at the first ``]`` closing its parameters (brackets balanced, else the first
+    candidate) that is followed by the end of the line or by ``" - "``.
+    """
+    head = rest.split(" ", 1)[0]
+    if "[" not in head:
+        return head
+    start = rest.index("[")
+    ends = [
+        i + 1
+        for i, char in enumerate(rest)
+        if char == "]" and i > start and (i + 1 == len(rest) or rest.startswith(" - ", i + 1))
+    ]
+    balanced = [e for e in ends if rest.count("[", 0, e) == rest.count("]", 0, e)]
+    return rest[: (balanced or ends or [len(head)])[0]]
+
+
 def parse_pytest(output: str) -> dict[str, str]:
     outcomes: dict[str, str] = {}
     for raw in output.splitlines():
         line = raw.rstrip()
-        match = _PY_SUMMARY.match(line) or _PY_VERBOSE.match(line)
-        if match and ("::" in match["id"] or ".py" in match["id"]):
-            status = match.group(1) if match.re is _PY_SUMMARY else match.group(2)
-            outcomes[match["id"]] = _PY_STATUS[status]
+        summary = _PY_SUMMARY.match(line)
+        verbose = None if summary else _PY_VERBOSE.match(line)
+        if summary:
+            test, status = _summary_id(summary["rest"]), summary.group(1)
+        elif verbose:
+            test, status = verbose["id"], verbose.group(2)
+        else:
+            continue
+        if "::" in test or ".py" in test:
+            outcomes[test] = _PY_STATUS[status]
     return outcomes
 
 

@@ -2,8 +2,10 @@
 
 Synthetic rollouts (acquire, a dozen commands and file edits, release) run against the
 real stack: embedded PostgreSQL and Redis, Celery workers and beat, sandboxes as local
-bubblewrap processes. The summary's "leaks" is what a GC pass and the ledger still find
-after everything was released: it must be 0.
+bubblewrap processes rooted in the task base image. Then the SWE demo task is graded in
+its own image (the reference patch must resolve it, the empty patch must not). The
+summary's "leaks" is what a GC pass and the ledger still find after everything was
+released: it must be 0.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -26,8 +29,9 @@ from broker.settings import Settings
 if TYPE_CHECKING:
     from broker.acquire.root import Root
 
+SWE_TASK = Path(__file__).resolve().parents[2] / "deploy" / "images" / "swe-task" / "task.json"
 DEMO_JOB = "demo"
-DEMO_IMAGE = "sandman/demo-task:latest"
+DEMO_IMAGE = "localhost/sandman-task-base:v1"  # built by deploy/images/build.sh (make demo)
 CPU, MEMORY = "500m", "512Mi"
 
 
@@ -158,8 +162,9 @@ def run_demo(
                 fut.result()
                 bar.update(1)
         wall = time.monotonic() - t0
+        graded = _grade_swe_task(client, echo)
         leaks = _settle(root, client, echo)
-        ok = leaks == 0 and tally.masked == 0 and tally.failed_steps == 0
+        ok = leaks == 0 and tally.masked == 0 and tally.failed_steps == 0 and graded
         n = len(tally.acquire_s)
         echo("")
         echo(f"acquisitions     {n}/{rollouts}  (masked infra failures: {tally.masked})")
@@ -190,6 +195,29 @@ def run_demo(
         root.dispose()
         if stack is not None:
             stack.stop()
+
+
+def _grade_swe_task(client: Any, echo: Callable[[str], None]) -> bool:
+    """Grade the SWE demo task in its image (localhost/sandman-swe-task:v1): the reference
+    patch resolves it, the empty patch does not. Skipped (True) outside a source checkout."""
+    from broker.grading import GradeConfig, GradingClient, Verdict, load_task
+
+    if not SWE_TASK.exists():
+        echo("grading          skipped (no deploy/images/swe-task in this install)")
+        return True
+    task = load_task(SWE_TASK)
+    config = GradeConfig(max_attempts=2, cpu=0.5, memory="512Mi", acquire_timeout_s=90)
+    grader = GradingClient(client, job=DEMO_JOB, config=config)
+    started = time.monotonic()
+    reference = grader.grade(task, task.reference_patch)
+    empty = grader.grade(task, b"")
+    ok = reference.verdict is Verdict.RESOLVED and empty.verdict is Verdict.UNRESOLVED
+    echo(
+        f"grading          {task.image}: reference {reference.verdict.value}, empty patch "
+        f"{empty.verdict.value} ({time.monotonic() - started:.1f} s)"
+        + ("" if ok else f"  {reference.reason or empty.reason}")
+    )
+    return ok
 
 
 def _settle(root: Root, client: Any, echo: Callable[[str], None]) -> int:

@@ -29,6 +29,8 @@ from pathlib import Path
 from sqlalchemy import select
 
 from broker.acquire.root import Root
+from broker.backends import localprocs
+from broker.backends.local import LocalBackend
 from broker.errors import SandmanError
 from broker.ledger.models import Sandbox
 from broker.ledger.states import LIVE_STATES
@@ -110,19 +112,11 @@ def reap_orphans(keep: Iterable[int]) -> list[int]:
 
 
 def marked_processes(state_dir: Path) -> list[int]:
-    """Processes whose command line names this state dir's local sandboxes (bubblewrap
-    binds ``<state_dir>/local-pods/<name>/workspace``), plus everything below them (the
-    PID-namespace init, execd and its commands)."""
-    mark = os.fsencode(str(Path(state_dir).resolve() / "local-pods")) + b"/"
+    """This state dir's local sandboxes as the kernel shows them (the marker on their
+    bubblewrap command line, ``broker.backends.localprocs``: the same scan the backend
+    lists and deletes by), plus everything below them (execd and its commands)."""
     ppids = _ppids()
-    roots = []
-    for pid in ppids:
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if mark in cmdline:
-            roots.append(pid)
+    roots = [p.pid for p in localprocs.scan(LocalBackend.mark_root_of(state_dir))]
     found = set(roots)
     for pid in roots:
         found.update(descendants(pid, ppids))

@@ -165,6 +165,9 @@ class Stack:
             raise ServiceUnavailable(
                 f"another `sandman up` serves {self.settings.state_dir} (see {self.marker})"
             )
+        # A marker left by a stack that was SIGKILLed names dead children: gone before
+        # anything starts, so that a marker on disk always means "this stack is ready".
+        self.marker.unlink(missing_ok=True)
         urls = ensure_services(self.settings)
         self.database_url, self.redis_url = urls.database_url, urls.redis_url
         upgrade(self.database_url)
@@ -172,7 +175,9 @@ class Stack:
         if self.settings.backend == "local":  # what a stack that could not stop left behind
             left = reclaim.drain(self.settings, self.database_url, self.redis_url, below_us=False)
             if echo and (left.released or left.killed or left.failed):
-                print(f"reclaimed from an earlier run: {left.summary()}")
+                # Flushed now: an operator (or a test) that sees the stack ready must
+                # already see what its start reclaimed.
+                print(f"reclaimed from an earlier run: {left.summary()}", flush=True)
         # After the services (they daemonize and must not become our children), before
         # the workers: a killed worker's sandboxes are then reparented to us, not to init.
         reclaim.become_subreaper()

@@ -1,8 +1,10 @@
 """The ownership audit: cluster vs ledger, per job, with leaks found and still open.
 
 ``sandman audit`` is a read-only GC pass plus counts; it exits non-zero when a pod of ours
-has no row (unowned) or a live row has no pod (dangling), which is what an operator or a
-CI job gates on.
+has no row (unowned), runs although its row is closed (late), or a live row has no pod
+(dangling), which is what an operator or a CI job gates on. On the local backend "pods"
+are the sandbox processes the kernel shows (``broker.backends.localprocs``), so the audit
+compares the ledger with what really runs there too.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ class AuditReport:
 
     @property
     def ok(self) -> bool:
-        return not self.gc.unowned_pods and not self.gc.dangling_rows
+        return not self.gc.unowned_pods and not self.gc.late_pods and not self.gc.dangling_rows
 
     def to_dict(self) -> dict[str, object]:
         """The report as JSON: its own counts (every field but ``gc``) and the GC's findings."""
@@ -38,6 +40,7 @@ class AuditReport:
             "ok": self.ok,
             **counts,
             "unowned_pods": self.gc.unowned_pods,
+            "late_pods": self.gc.late_pods,
             "foreign_pods": self.gc.foreign_pods,
             "dangling_rows": self.gc.dangling_rows,
             "pending_actions": self.gc.actions,
@@ -79,10 +82,12 @@ def format_audit(report: AuditReport) -> str:
         )
     lines.append(f"unowned pods (ours by label, no ledger row): {len(report.gc.unowned_pods)}")
     lines.extend(f"  - {name}" for name in report.gc.unowned_pods)
+    lines.append(f"late pods (running, row already closed):     {len(report.gc.late_pods)}")
+    lines.extend(f"  - {name}" for name in report.gc.late_pods)
     lines.append(f"dangling rows (live row, no pod):            {len(report.gc.dangling_rows)}")
     lines.extend(f"  - {sid}" for sid in report.gc.dangling_rows)
     lines.append(f"foreign pods (other installations, untouched): {len(report.gc.foreign_pods)}")
     lines.append(f"GC actions pending: {len(report.gc.actions)}")
     lines.append(f"leaks recorded: {report.leaks_total}; open: {report.leaks_open or 0}")
-    lines.append("OK" if report.ok else "NOT OK: unowned pods or dangling rows")
+    lines.append("OK" if report.ok else "NOT OK: unowned or late pods, or dangling rows")
     return "\n".join(lines)

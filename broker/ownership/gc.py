@@ -7,7 +7,8 @@ we look. A pod is deleted only when its nonce matches a row of this installation
 matching row, or another installation's value, are reported and never touched.
 
 What one pass settles:
-  pod, row deleted/failed       -> delete the pod (late create after give-up)
+  pod, row deleted/failed       -> delete the pod (late: a create after give-up, a
+                                   delete that did not take); the audit reports it
   pod, row releasing            -> retry the pending delete
   pod, row creating, lease over -> stuck create (worker died): release
   pod, row ready, lease over    -> abandoned by its trainer: release
@@ -47,6 +48,9 @@ class GcReport:
     live_rows: int = 0
     actions: list[dict[str, str]] = field(default_factory=list)
     unowned_pods: list[str] = field(default_factory=list)
+    # Ours by nonce, but their row is already closed: a sandbox still running after its
+    # owner said it was gone (a late create, a delete that did not take). Deleted by nonce.
+    late_pods: list[str] = field(default_factory=list)
     foreign_pods: list[str] = field(default_factory=list)
     dangling_rows: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
@@ -55,7 +59,12 @@ class GcReport:
 
     @property
     def clean(self) -> bool:
-        return not self.unowned_pods and not self.dangling_rows and not self.errors
+        return (
+            not self.unowned_pods
+            and not self.late_pods
+            and not self.dangling_rows
+            and not self.errors
+        )
 
     def to_dict(self) -> dict[str, object]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__} | {"clean": self.clean}
@@ -74,6 +83,7 @@ def summarize(report: GcReport, *, by: str) -> dict[str, object]:
         "live_rows": report.live_rows,
         "actions": len(report.actions),
         "unowned_pods": len(report.unowned_pods),
+        "late_pods": len(report.late_pods),
         "foreign_pods": len(report.foreign_pods),
         "errors": len(report.errors),
         "skipped_locked": report.skipped_locked,
@@ -237,6 +247,8 @@ def _delete_late(
     provider: Provider, report: GcReport, row: Sandbox, pod: PodInfo, state: State
 ) -> None:
     """A pod whose row is closed or closing: delete it, by nonce, and confirm."""
+    if state != State.RELEASING and not pod.deleting:
+        report.late_pods.append(pod.name)
     report.actions.append(
         {"sandbox": row.id, "pod": pod.name, "action": "deleted", "why": f"pod-of-{state}-row"}
     )

@@ -23,6 +23,7 @@ from dataclasses import KW_ONLY, dataclass, field
 
 from sqlalchemy.orm import Session, sessionmaker
 
+from broker import failpoints
 from broker.backends.base import Backend, PodInfo, PodSpec
 from broker.errors import (
     AcquireTimeout,
@@ -54,10 +55,6 @@ DELETE_CONFIRM_S = 60.0
 JOB_TTL_S = 2.0
 
 
-def _no_failpoint(name: str) -> None:
-    """The production failpoint: nothing happens."""
-
-
 @dataclass(eq=False)
 class Provider:
     """Creates, hands out and releases sandboxes; the only writer of pod lifecycles.
@@ -74,13 +71,16 @@ class Provider:
     actor: str = "broker"
     sleep: Callable[[float], None] = time.sleep
     probe: Callable[[str, str], bool] = execd_answers
-    # Named points where a test can kill the process (SIGKILL) to open a crash window.
-    failpoint: Callable[[str], None] = _no_failpoint
+    # Named points where a test can kill the process to open a crash window; by default
+    # the ones ``settings.failpoint`` arms (broker/failpoints.py), none in production.
+    failpoint: Callable[[str], None] = failpoints.off
     _key: bytes = field(init=False, repr=False)
     _jobs: dict[str, tuple[float, Job]] = field(init=False, repr=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         self._key = broker_key(self.settings)
+        if self.failpoint is failpoints.off:
+            self.failpoint = failpoints.armed(self.settings.failpoint)
 
     # -- 1. intent --------------------------------------------------------------------
 
@@ -107,6 +107,7 @@ class Provider:
                 raise AcquireTimeout(
                     f"acquire {spec.request_id} was abandoned by its trainer while queued"
                 )
+            self.backend.check_image(spec.image_digest or spec.image)
             job = self.job(session, spec.job)
             if enforce_cap and job.max_live:
                 live = store.count_live_locked(session, job.name)

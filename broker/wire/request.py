@@ -22,10 +22,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from broker.errors import InvalidRequest
+from broker.names import ENV_VISIBLE_CPUS
 from broker.wire import validation as v
 from broker.wire.roles import Role
 
 MAX_TIMEOUT_S = 24 * 3600.0
+MAX_VISIBLE_CPUS = 1024
 
 
 def new_request_id() -> str:
@@ -55,6 +57,7 @@ class AcquireRequest:
     enqueued_at: float = field(default_factory=time.time)
     deadline: float | None = None
     pool_key: str | None = None
+    visible_cpus: int | None = None  # execd pins every command to this many CPUs
 
     def __post_init__(self) -> None:
         v.check_text("job", self.job, optional=False, max_len=63)
@@ -75,6 +78,8 @@ class AcquireRequest:
         if self.deadline is not None:
             v.check_time("deadline", self.deadline)
         v.check_text("pool_key", self.pool_key, optional=True, max_len=64)
+        if self.visible_cpus is not None:
+            v.check_int_range("visible_cpus", self.visible_cpus, 1, MAX_VISIBLE_CPUS)
 
     # -- the two doors ---------------------------------------------------------------------
 
@@ -95,6 +100,7 @@ class AcquireRequest:
         timeout: float = 300.0,
         request_id: str | None = None,
         pool_key: str | None = None,
+        visible_cpus: int | None = None,
     ) -> AcquireRequest:
         """From a trainer's arguments: human units, a timeout instead of a deadline."""
         if (
@@ -123,6 +129,7 @@ class AcquireRequest:
             enqueued_at=now,
             deadline=now + timeout,
             pool_key=pool_key,
+            visible_cpus=visible_cpus,
         )
 
     @classmethod
@@ -148,6 +155,7 @@ class AcquireRequest:
             owner=data.get("owner"),
             enqueued_at=time.time() if enqueued is None else enqueued,
             deadline=data.get("deadline"),
+            visible_cpus=data.get("visible_cpus"),
         )
 
     def to_wire(self) -> dict[str, Any]:
@@ -166,7 +174,16 @@ class AcquireRequest:
             "owner": self.owner,
             "enqueued_at": self.enqueued_at,
             "deadline": self.deadline,
+            "visible_cpus": self.visible_cpus,
         }
+
+    def sandbox_env(self) -> dict[str, str]:
+        """The sandbox's environment: the request's env plus the broker's own channel to
+        execd (``SANDMAN_*``, which a request's env may not set)."""
+        env = dict(self.env)
+        if self.visible_cpus is not None:
+            env[ENV_VISIBLE_CPUS] = str(self.visible_cpus)
+        return env
 
     # -- derived -------------------------------------------------------------------------
 

@@ -7,11 +7,8 @@ execd. Module-scoped: each test module gets its own workers and Redis database.
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 import secrets
-import signal
 import subprocess
 import time
 from collections.abc import Iterator
@@ -20,12 +17,21 @@ from pathlib import Path
 import pytest
 import redis
 
+from broker.local.reclaim import kill_all, marked_processes
 from broker.local.stack import worker_argv
 from broker.names import Queue
 from broker.settings import Settings
+from tests.support.images import ensure_local_images
 
 REPO = Path(__file__).resolve().parents[2]
 ALL_QUEUES = f"{Queue.ACQUIRE},{Queue.RELEASE},{Queue.POOL}"  # one worker serves them all
+
+
+@pytest.fixture(scope="session", autouse=True)
+def local_images() -> None:
+    """The project's task images in the local store (the local backend runs nothing else);
+    builds them with deploy/images/build.sh on a machine that never did."""
+    ensure_local_images(Settings.from_env().cache_dir)
 
 
 @pytest.fixture(scope="module")
@@ -83,8 +89,4 @@ def stack(
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
-    for meta in (state / "local-pods").glob("*.json"):  # nothing should be left
-        data = json.loads(meta.read_text())
-        if data.get("child_pid"):
-            with contextlib.suppress(OSError):
-                os.kill(int(data["child_pid"]), signal.SIGKILL)
+    kill_all(marked_processes(state))  # nothing should be left; whatever is, dies here

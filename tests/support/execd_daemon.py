@@ -25,21 +25,28 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @functools.cache
-def oldest_python() -> str:
-    """The oldest working Python 3.8+ here: execd must run on what task images ship."""
+def oldest_python(user: int | None = None) -> str:
+    """The oldest working Python 3.8+ here: execd must run on what task images ship.
+
+    With ``user``, the oldest one that uid can run: pyenv's builds live under ``$HOME``,
+    which another uid may not be able to traverse (root's home is often 0700)."""
     roots = [Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv")) / "versions"]
     candidates = []
     for minor in range(8, 14):
         candidates += sorted(
             str(p) for r in roots for p in r.glob(f"3.{minor}.*/bin/python3.{minor}")
         )
-        candidates += [shutil.which(f"python3.{minor}") or ""]
+        candidates += [shutil.which(f"python3.{minor}") or "", f"/usr/bin/python3.{minor}"]
     for exe in [c for c in candidates if c] + [sys.executable]:
-        ok = subprocess.run(
-            [exe, "-c", "import sys; assert sys.version_info >= (3, 8)"],
-            capture_output=True,
-            check=False,
-        )
+        try:
+            ok = subprocess.run(
+                [exe, "-c", "import sys; assert sys.version_info >= (3, 8)"],
+                capture_output=True,
+                check=False,
+                **({"user": user, "group": user} if user is not None else {}),
+            )
+        except OSError:  # missing, or not reachable for that uid
+            continue
         if ok.returncode == 0:
             return exe
     return sys.executable

@@ -6,11 +6,12 @@ import dataclasses
 from typing import Any
 
 from broker.backends.base import PodSpec
+from tests.support.images import TASK_IMAGE
 
 # A small rollout pod; a test overrides the fields its assertion depends on.
 SMALL_POD = PodSpec(
     name="sm-test", namespace="ns", installation="inst-test", job="j", sandbox_id="sm-test",
-    nonce="n-1", role="rollout", image="python:3.12", cpu_m=500, memory_b=256 << 20,
+    nonce="n-1", role="rollout", image=TASK_IMAGE, cpu_m=500, memory_b=256 << 20,
     token="t" * 32,
 )  # fmt: skip
 

@@ -10,7 +10,13 @@ from collections import defaultdict
 from collections.abc import Iterator
 
 from broker.backends.base import PodInfo, PodSpec
-from broker.errors import KubeConflict, KubeThrottled, KubeUnavailable, OwnershipError
+from broker.errors import (
+    ImageNotFound,
+    KubeConflict,
+    KubeThrottled,
+    KubeUnavailable,
+    OwnershipError,
+)
 
 
 class FakeBackend:
@@ -24,6 +30,7 @@ class FakeBackend:
         self.owners: set[tuple[str, str]] = set()
         self.become_ready = True
         self.deny_guard_install = False
+        self.missing_images: set[str] = set()
 
     def _fault(self, op: str) -> str | None:
         return self.faults[op].pop(0) if self.faults[op] else None
@@ -37,6 +44,10 @@ class FakeBackend:
 
     def has_egress_guard(self, namespace: str, job: str) -> bool:
         return (namespace, job) in self.guards
+
+    def check_image(self, image: str) -> None:
+        if image in self.missing_images:
+            raise ImageNotFound(f"image {image} is not in the fake store")
 
     def add_pod(
         self, namespace: str, name: str, labels: dict[str, str], ready: bool = True

@@ -229,6 +229,10 @@ class KubeBackend:
                         podspec.egress_policy(job, self.installation, allow),
                     )
 
+    def check_image(self, image: str) -> None:
+        """Nothing yet: the node's runtime resolves images (a registry HEAD is issue #15's
+        cluster part); a missing one fails the create as ErrImageNeverPull/ErrImagePull."""
+
     def has_egress_guard(self, namespace: str, job: str) -> bool:
         """Read back from the API server; a positive answer is trusted for GUARD_TTL_S,
         so a burst of creates costs one read per job, not two per pod."""

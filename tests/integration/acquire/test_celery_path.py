@@ -22,10 +22,11 @@ from broker.ledger.states import State
 from broker.names import Queue, Task
 from broker.pools.store import WarmStore, pool_key
 from broker.settings import Settings
+from tests.support.images import TASK_IMAGE
 from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.integration
-IMAGE = "sandman/test-task:1"
+IMAGE = TASK_IMAGE
 
 
 @pytest.fixture

@@ -30,6 +30,7 @@ from broker.ledger.models import Event, Sandbox
 from broker.settings import Settings
 from broker.wire import mailbox
 from broker.wire.request import AcquireRequest
+from tests.support.images import TASK_IMAGE
 
 pytestmark = pytest.mark.integration
 QUEUES = ("acquire", "release", "pool")
@@ -76,7 +77,7 @@ def _request(**over: Any) -> dict[str, Any]:
     base = {
         "request_id": f"r-{uuid.uuid4().hex}",
         "job": "fuzz-ok",
-        "image": "python:3.12",
+        "image": TASK_IMAGE,
         "cpu_m": 200,
         "memory_b": 128 << 20,
     }
@@ -125,7 +126,7 @@ def test_client_refuses_before_enqueueing(env, bad):
     client = env[4]
     before = _snapshot(env)
     args: dict[str, Any] = {
-        "image": "python:3.12",
+        "image": TASK_IMAGE,
         "job": "fuzz-ok",
         "cpu": "200m",
         "memory": "128Mi",

@@ -26,9 +26,10 @@ from broker.ledger.states import State
 from broker.pools.store import pool_key
 from broker.settings import Settings
 from broker.wire.request import AcquireRequest
+from tests.support.images import TASK_IMAGE
 
 pytestmark = pytest.mark.integration
-IMAGE = "python:3.12"
+IMAGE = TASK_IMAGE
 MAX_STATEMENTS_PER_CREATE = 16
 
 
@@ -144,3 +145,14 @@ def test_a_warm_hand_out_locks_its_row_once(
         assert row is not None and row.state == State.READY and row.owner == "trainer"
         assert row.request_id == request.request_id and row.pool_key is None
         assert row.enqueued_at == enqueued_at and (row.acquire_latency_s or 0) > 0
+
+
+def test_visible_cpus_reach_the_sandbox_commands(broker: Broker) -> None:
+    """A request's visible_cpus is delivered: the local sandbox's execd pins itself, so a
+    command in it sees that many CPUs (nproc reads the affinity)."""
+    from broker.grading.direct import DirectSandbox
+
+    lease = broker.acquire(_request(timeout=30, visible_cpus=1))
+    with DirectSandbox(lease.address, lease.token, sandbox_id=lease.sandbox_id) as sb:
+        assert sb.exec("nproc").stdout.strip() == "1"
+        assert "SANDMAN_EXECD_VISIBLE_CPUS=1" in sb.exec("env").stdout

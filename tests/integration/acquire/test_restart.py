@@ -23,6 +23,7 @@ from broker.ledger.states import State
 from broker.ownership.gc import run_gc
 from broker.settings import Settings
 from broker.wire.request import AcquireRequest
+from tests.support.images import TASK_IMAGE
 
 pytestmark = pytest.mark.integration
 
@@ -47,7 +48,7 @@ def _request(job: str) -> AcquireRequest:
         {
             "request_id": f"r-{uuid.uuid4().hex}",
             "job": job,
-            "image": "python:3.12",
+            "image": TASK_IMAGE,
             "cpu_m": 200,
             "memory_b": 128 << 20,
             "enqueued_at": time.time(),

@@ -54,8 +54,10 @@ def test_create_exec_files_delete(backend: LocalBackend) -> None:
             "/v1/files/write", json={"path": "/workspace/a.txt", "content_b64": "aGVsbG8="}
         )
         assert write.status_code == 200
-        denied = http.post("/v1/exec", json={"command": "touch /usr/x", "timeout": 10}).json()
-        assert denied["exit_code"] != 0, "the host root is read-only"
+        layer = http.post("/v1/exec", json={"command": "touch /usr/x", "timeout": 10}).json()
+        assert layer["exit_code"] == 0, "the sandbox writes its own layer over the image"
+        image_root = backend.images.rootfs(backend.images.resolve(spec.image))
+        assert not (image_root / "usr/x").exists(), "the shared image root is never written"
     meta = backend._load("sm-life")
     assert meta is not None
     pids = [int(meta["pid"]), int(meta["child_pid"])]
@@ -135,7 +137,7 @@ def test_creator_reaps_sandboxes_deleted_by_another_process(backend: LocalBacken
 def test_ports_come_from_a_claimed_range_outside_the_ephemeral_one(
     backend: LocalBackend,
 ) -> None:
-    from broker.backends.local import PORT_RANGE
+    from broker.backends.localports import PORT_RANGE
 
     low, high = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
     assert PORT_RANGE[1] <= low or PORT_RANGE[0] > high  # no outgoing connection can take one
@@ -151,3 +153,31 @@ def test_ports_come_from_a_claimed_range_outside_the_ephemeral_one(
     for i, name in enumerate(names):
         backend.delete("ns", name, f"n-{i}")
     assert not {int(p.name) for p in locks.iterdir()} & set(ports)
+    assert not any((backend.root / ".locks").iterdir()), "no record lock outlives its sandbox"
+
+
+def test_a_sandbox_is_found_by_its_marker_alone_and_deleted_by_nonce(
+    backend: LocalBackend,
+) -> None:
+    """A running sandbox whose record is gone (the state a crashed old-style delete or
+    GC left) is still listed, with the nonce from its command line; a delete with another
+    nonce leaves it, the right nonce kills it, confirmed, and frees its port."""
+    from broker.backends import localprocs
+
+    spec = pod_spec("sm-marked", nonce="n-marked")
+    backend.create(spec)
+    address = _ready(backend, "sm-marked")
+    headers = {"Authorization": f"Bearer {spec.token}"}
+    with httpx.Client(base_url=f"http://{address}", headers=headers) as http:
+        env = http.post("/v1/exec", json={"command": "env", "timeout": 10}).json()["stdout"]
+    assert localprocs.MARK_ENV not in env, "the marker is on bwrap's argv, not in the env"
+    port = int(backend._load("sm-marked")["port"])  # type: ignore[index]
+    backend._meta_path("sm-marked").unlink()
+    listed = LocalBackend(Settings(state_dir=backend.root.parent)).list_all_labelled("ns")
+    assert [(p.name, p.nonce, p.phase) for p in listed] == [("sm-marked", "n-marked", "Running")]
+    assert backend.delete("ns", "sm-marked", "n-other") is False
+    assert [p.name for p in localprocs.scan(backend.mark_root)] != []
+    assert backend.delete("ns", "sm-marked", "n-marked") is True
+    assert localprocs.scan(backend.mark_root) == []
+    assert not (backend.root / ".ports" / str(port)).exists()
+    assert backend.list_all_labelled("ns") == []

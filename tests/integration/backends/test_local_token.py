@@ -13,6 +13,7 @@ from broker.backends.base import PodSpec
 from broker.backends.local import LocalBackend
 from broker.settings import Settings
 from broker.wire.execd import execd_answers
+from tests.support.images import TASK_IMAGE
 
 pytestmark = pytest.mark.integration
 
@@ -30,7 +31,7 @@ def test_token_is_not_readable_from_any_proc_entry_in_the_sandbox(tmp_path: Path
         sandbox_id="sm-token",
         nonce="n-1",
         role="rollout",
-        image="python:3.12",
+        image=TASK_IMAGE,
         cpu_m=500,
         memory_b=256 << 20,
         token=token,

@@ -38,9 +38,10 @@ from broker.names import Task
 from broker.pools.store import WarmStore
 from broker.settings import Settings
 from broker.wire.warm import pool_key
+from tests.support.images import TASK_IMAGE
 
 pytestmark = pytest.mark.integration
-IMAGE = "sandman/test-task:1"
+IMAGE = TASK_IMAGE
 
 
 class Handle:
@@ -286,6 +287,15 @@ def test_warm_hit_from_either_transport(trainer: Trainer, sessions: Any) -> None
     trainer.client.send(Task.POOL_UPKEEP, [], "pool")
     r = redis_lib.Redis.from_url(trainer.client.redis_url)
     _until(lambda: WarmStore(r).size(job, key) >= 1, "pool never filled")
+    # A request with env of its own is never served by a warm pod (started without it).
+    pinned = trainer.open(
+        image=IMAGE, cpu=f"{cpu_m}m", memory=mem, job=job, timeout=60, env={"TZ": "IST-5:30"}
+    )
+    try:
+        assert not pinned.lease.warm
+        assert pinned.exec("echo $TZ").stdout == "IST-5:30\n"
+    finally:
+        pinned.release()
     sb = trainer.open(image=IMAGE, cpu=f"{cpu_m}m", memory=mem, job=job, timeout=10)
     try:
         assert sb.lease.warm

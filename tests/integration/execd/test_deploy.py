@@ -36,9 +36,8 @@ def test_runs_from_read_only_copy_and_writes_nothing(tmp_path):
         # chmod a-w does not stop root: run as nobody so the copy is read-only for real.
         kw = {"user": 65534, "group": 65534} if os.geteuid() == 0 else {}
         env_clean = {k: v for k, v in env.items() if v}
-        d = Daemon(
-            tmp_path, cwd=base, python=oldest_python(), popen_kw=kw, workdir=work, env=env_clean
-        )
+        python = oldest_python(65534) if kw else oldest_python()
+        d = Daemon(tmp_path, cwd=base, python=python, popen_kw=kw, workdir=work, env=env_clean)
         try:
             c = d.client()
             assert c.exec("echo ok; id -u")["stdout"].startswith("ok\n")

@@ -30,6 +30,8 @@ from broker.grading import GradeConfig, Grader, GradingClient, Verdict, extract_
 from broker.grading.direct import DirectSandbox
 from broker.grading.preflight import run_preflight, write_reports
 from broker.grading.seam import SandboxRequest
+from broker.grading.spec import Conditions
+from broker.names import ENV_VISIBLE_CPUS
 from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.integration
@@ -131,7 +133,10 @@ class LocalGradingSandboxes:
         with self.lock:
             shutil.rmtree(self.repo_path, ignore_errors=True)
             shutil.copytree(self.template, self.repo_path, symlinks=True)
-            env = {} if self.drop_env else request.env
+            env = {} if self.drop_env else dict(request.env)
+            if request.visible_cpus is not None and not self.drop_env:
+                # What the broker adds to a pod's env (AcquireRequest.sandbox_env).
+                env[ENV_VISIBLE_CPUS] = str(request.visible_cpus)
             with execd(self.repo_path, env) as sb:
                 yield sb
 
@@ -233,6 +238,26 @@ def test_seed_the_pod_did_not_set_is_refused(sandboxes: LocalGradingSandboxes) -
     assert result.verdict is Verdict.INFRA_ERROR
     assert result.probe is not None
     assert {"pythonhashseed", "tz", "locale"} <= set(result.probe["contradictions"])
+
+
+def test_visible_cpus_are_delivered_to_the_tests(sandboxes: LocalGradingSandboxes) -> None:
+    """visible_cpus is applied, not only checked: execd pins every command to it, so the
+    probe (in the tests' shell) sees exactly that count; a sandbox that ignores it is
+    refused."""
+    task = local(SWE / "task.json", sandboxes)
+    task = dataclasses.replace(task, conditions=Conditions(visible_cpus=1))
+    result = Grader(sandboxes, FAST).grade(task, task.reference_patch)
+    assert result.verdict is Verdict.RESOLVED, result.reason
+    assert sandboxes.requests[0].visible_cpus == 1
+    assert result.probe is not None
+    visible = next(c for c in result.probe["checks"] if c["field"] == "visible_cpus")
+    assert (visible["status"], visible["observed"]) == ("ok", 1)
+    if len(os.sched_getaffinity(0)) > 1:  # with one CPU, nothing could contradict it
+        sandboxes.drop_env = True
+        ignored = Grader(sandboxes, FAST).grade(task, task.reference_patch)
+        assert ignored.verdict is Verdict.INFRA_ERROR
+        assert ignored.probe is not None
+        assert ignored.probe["contradictions"] == ["visible_cpus"]
 
 
 def test_declared_memory_limit_contradicts_unlimited_process(

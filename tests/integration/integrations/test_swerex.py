@@ -38,10 +38,11 @@ from broker.ledger import store
 from broker.ledger.models import Sandbox
 from broker.ledger.states import State
 from broker.settings import Settings
+from tests.support.images import TASK_IMAGE
 from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.integration
-IMAGE = "sandman/test-task:1"
+IMAGE = TASK_IMAGE
 
 
 @pytest.fixture

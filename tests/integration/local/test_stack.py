@@ -31,10 +31,11 @@ from broker.ledger import store
 from broker.ledger.models import Sandbox
 from broker.ledger.states import LIVE_STATES
 from broker.local.reclaim import descendants, marked_processes
+from tests.support.images import SWE_IMAGE, TASK_IMAGE
 from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.integration
-IMAGE = "sandman/test-task:1"
+IMAGE = TASK_IMAGE
 REPO = Path(__file__).resolve().parents[3]
 SANDMAN = str(Path(sys.executable).parent / "sandman")
 
@@ -64,13 +65,18 @@ class Up:
         return self.log.read_text(errors="replace")[-3000:] if self.log.exists() else ""
 
     def children(self) -> dict[str, int]:
-        """The children the running stack recorded (empty until it is ready)."""
+        """The children the running stack recorded (empty until it is ready).
+
+        Only a marker written by THIS stack counts: a SIGKILLed stack's marker stays on
+        disk, and reading it as "ready" let the test run ahead of the new stack's drain."""
         assert self.proc is not None
         if self.proc.poll() is not None:
             pytest.fail(f"stack exited ({self.proc.returncode}):\n{self.tail()}")
         try:
             data = json.loads((self.state / "run" / "stack.json").read_text())
         except (OSError, ValueError):
+            return {}
+        if data.get("pid") != self.proc.pid:
             return {}
         return {k: int(v) for k, v in data["children"].items()}
 
@@ -207,7 +213,7 @@ def test_ctrl_c_drains_every_sandbox_and_closes_every_row(up: Up, sessions: Any)
     up.start()
     client = SandboxClient(up.redis_url, owner="pytest")
     try:
-        leased = client.open(image="sandman/other:1", job=job, timeout=120)  # a cold create
+        leased = client.open(image=SWE_IMAGE, job=job, timeout=120)  # a cold create
         assert leased.exec("echo held").stdout.strip() == "held"
     finally:
         client.close()

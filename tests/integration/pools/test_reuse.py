@@ -23,6 +23,7 @@ from broker.pools.store import pool_key
 from broker.settings import Settings
 from broker.wire.request import AcquireRequest
 from broker.wire.types import Lease
+from tests.support.images import SWE_IMAGE
 
 pytestmark = pytest.mark.integration
 
@@ -96,7 +97,7 @@ def broker(database_url: str, redis_url: str, sessions: Any, tmp_path: Path) -> 
 
 def _request() -> AcquireRequest:
     return AcquireRequest.new(
-        job="grading", image="swe/task:1", cpu="500m", memory=256 << 20, role="grading"
+        job="grading", image=SWE_IMAGE, cpu="500m", memory=256 << 20, role="grading"
     )
 
 

@@ -27,9 +27,10 @@ from broker.names import Task
 from broker.pools.store import pool_key
 from broker.settings import Settings
 from broker.wire.warm import CLAIM_LUA, claim_call, claimed_lease
+from tests.support.images import TASK_IMAGE
 
 pytestmark = pytest.mark.integration
-IMAGE = "python:3.12"
+IMAGE = TASK_IMAGE
 CPU_M, MEMORY_B = 200, 128 << 20
 
 

@@ -32,6 +32,7 @@ from broker.ownership.gc import run_gc
 from broker.settings import Settings
 from broker.wire.request import AcquireRequest
 from tests.conftest import unavailable
+from tests.support.images import TASK_IMAGE
 from tests.support.web_app import ADMIN_TOKEN
 
 pytestmark = pytest.mark.integration
@@ -135,7 +136,7 @@ def plant_unowned_pod(stack, job: str) -> tuple[str, str]:
     name = f"sm-planted-{nonce[:8]}"
     stack["backend"].create(PodSpec(
         name=name, namespace=stack["settings"].namespace, installation="e2e-web", job=job,
-        sandbox_id=uuid.uuid4().hex, nonce=nonce, role="rollout", image="local/planted:1",
+        sandbox_id=uuid.uuid4().hex, nonce=nonce, role="rollout", image=TASK_IMAGE,
         cpu_m=100, memory_b=64 << 20, token=secrets.token_hex(8),
     ))  # fmt: skip
     return name, nonce
@@ -144,7 +145,7 @@ def plant_unowned_pod(stack, job: str) -> tuple[str, str]:
 def acquire(stack, job: str):
     """One real acquire through the broker service: pacer, intent, local pod, readiness."""
     return stack["broker"].acquire(AcquireRequest.parse({
-        "request_id": f"r-{uuid.uuid4().hex}", "job": job, "image": "local/task:1",
+        "request_id": f"r-{uuid.uuid4().hex}", "job": job, "image": TASK_IMAGE,
         "cpu_m": 500, "memory_b": 256 << 20, "enqueued_at": time.time(),
         "deadline": time.time() + 60,
     }))  # fmt: skip

@@ -7,11 +7,7 @@ never disturbs the session's services, and real Celery workers started with the 
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
 import secrets
-import signal
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -23,6 +19,7 @@ from bench.common import free_port
 from broker.ledger import store
 from broker.ledger.db import make_engine, make_session_factory
 from broker.ledger.migrate import upgrade
+from broker.local.reclaim import kill_all, marked_processes
 from broker.local.services import ensure_services, stop_postgres, stop_redis
 from broker.local.stack import REPO_ROOT, child_env, worker_argv
 from broker.settings import Settings
@@ -45,11 +42,14 @@ class OwnBroker:
     def log(self, name: str) -> Path:
         return self.settings.state_dir / f"{name}.log"
 
-    def start_worker(self, name: str, queues: str, threads: int = 8) -> subprocess.Popen[bytes]:
+    def start_worker(
+        self, name: str, queues: str, threads: int = 8, env: dict[str, str] | None = None
+    ) -> subprocess.Popen[bytes]:
+        """A real Celery worker, ready; ``env`` adds variables (an armed failpoint...)."""
         with self.log(name).open("ab") as log:
             proc = subprocess.Popen(
                 worker_argv(name, queues, threads),
-                env=self.env(),
+                env={**self.env(), **(env or {})},
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 cwd=REPO_ROOT,
@@ -83,12 +83,9 @@ class OwnBroker:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        for meta in (self.settings.state_dir / "local-pods").glob("*.json"):
-            data = json.loads(meta.read_text())
-            for key in ("child_pid", "pid"):
-                if data.get(key):
-                    with contextlib.suppress(OSError):
-                        os.kill(int(data[key]), signal.SIGKILL)
+        # Every sandbox of this state dir, found by the kernel's process list: also those
+        # of a worker that died before it could record them.
+        kill_all(marked_processes(self.settings.state_dir))
         stop_redis(self.settings)
         stop_postgres(self.settings)
 

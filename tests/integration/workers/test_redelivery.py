@@ -13,11 +13,12 @@ import redis
 from broker.client.sync import SandboxClient
 from broker.names import Queue
 from tests.integration.workers.conftest import OwnBroker
+from tests.support.images import TASK_IMAGE
 from tests.support.wait import wait_until
 from workers.transport import Channel
 
 pytestmark = pytest.mark.integration
-IMAGE = "sandman/test-task:1"
+IMAGE = TASK_IMAGE
 
 
 def test_acquire_held_by_a_killed_worker_completes_for_the_trainer(

@@ -22,11 +22,12 @@ from broker.local.services import _port_open as port_open
 from broker.local.services import ensure_postgres, ensure_redis, stop_postgres, stop_redis
 from broker.names import Queue
 from tests.integration.workers.conftest import OwnBroker
+from tests.support.images import TASK_IMAGE
 from tests.support.wait import wait_until
 from workers.transport import Channel
 
 pytestmark = pytest.mark.integration
-IMAGE = "sandman/test-task:1"
+IMAGE = TASK_IMAGE
 
 
 def _round_trip(broker: OwnBroker, job: str) -> None:

@@ -18,7 +18,7 @@ for _module in ("broker.grading.grade", "broker.grading.patch", "broker.grading.
     importlib.import_module(_module)
 
 GROUPS = {SandmanError, TemporaryError, PermanentError, errors.InfrastructureError,
-          errors.KubeError}  # fmt: skip
+          errors.KubeError, errors.ExecError}  # fmt: skip
 
 
 def _tree() -> set[type[SandmanError]]:
@@ -49,6 +49,8 @@ def test_every_error_is_drawn_in_the_tree() -> None:
     [
         (errors.InvalidRequest, "invalid_request"),
         (errors.UnknownJob, "unknown_job"),
+        (errors.ImageNotFound, "image_not_found"),
+        (errors.ImageInvalid, "image_invalid"),
         (errors.ServiceUnavailable, "service_unavailable"),
         (errors.AcquireTimeout, "acquire_timeout"),
         (errors.SandboxLost, "sandbox_lost"),

@@ -228,3 +228,29 @@ def test_ordinary_env_names_and_a_64_char_commit_are_still_accepted() -> None:
         env={"PYTHONHASHSEED": "0", "TZ": "UTC", "LANG": "C.UTF-8", "MY_SANDMAN": "1"},
     )
     assert request.base_commit == "a" * 64 and request.env["MY_SANDMAN"] == "1"
+
+
+def test_visible_cpus_travel_to_execd_and_skip_warm_pools() -> None:
+    """A request's visible_cpus crosses the queue and becomes the execd variable that
+    pins every command (SANDMAN_* cannot come from the request's env itself)."""
+    from broker.client import core
+    from broker.names import ENV_VISIBLE_CPUS
+
+    request = AcquireRequest.new(image="python:3.12", job="j", env={"A": "1"}, visible_cpus=2)
+    assert AcquireRequest.parse(request.to_wire()) == request
+    assert request.sandbox_env() == {"A": "1", ENV_VISIBLE_CPUS: "2"}
+    plain = AcquireRequest.new(image="python:3.12", job="j", env={"A": "1"})
+    assert plain.sandbox_env() == {"A": "1"} and plain.visible_cpus is None
+    for bad in (0, -1, 1025, 1.5, "2", True):
+        with pytest.raises(InvalidRequest) as info:
+            AcquireRequest.parse(_message(visible_cpus=bad))
+        assert info.value.field == "visible_cpus"
+    with pytest.raises(InvalidRequest):
+        AcquireRequest.new(image="python:3.12", job="j", env={ENV_VISIBLE_CPUS: "1"})
+    # Warm pods started without the pinning: such a request always creates.
+    assert not core.warm_eligible(core.new_request("me", image="i", job="j", visible_cpus=1))
+    assert core.warm_eligible(core.new_request("me", image="i", job="j"))
+    # ... and so do requests with env or another workdir: a warm pod has neither.
+    assert not core.warm_eligible(core.new_request("me", image="i", job="j", env={"TZ": "UTC"}))
+    assert not core.warm_eligible(core.new_request("me", image="i", job="j", workdir="/repo"))
+    assert core.warm_eligible(core.new_request("me", image="i", job="j", env={}, workdir="/"))

@@ -93,6 +93,56 @@ def test_probe_contradictions(field: str, obs: dict[str, Any], timeout: float | 
     assert [f for f, s in checks.items() if s == "contradiction"] == [field]
 
 
+AT_LEAST = Conditions(min_cpus=2.0, min_memory_b=2 << 30)
+
+
+@pytest.mark.parametrize(
+    ("cpu", "memory", "want"),
+    [
+        # min_cpus: the quota capped by the visible CPUs; min_memory: the cgroup limit.
+        ({"quota_readable": True, "quota_cpus": 4.0, "visible": 8}, 4 << 30, ("ok", "ok")),
+        ({"quota_readable": True, "quota_cpus": 2.0, "visible": 2}, 2 << 30, ("ok", "ok")),
+        ({"quota_readable": True, "quota_cpus": None, "visible": 2}, None, ("ok", "ok")),
+        ({"quota_readable": False, "visible": 3}, None, ("ok", "ok")),
+        (
+            {"quota_readable": True, "quota_cpus": 1.5, "visible": 8},
+            1 << 30,
+            ("contradiction", "contradiction"),
+        ),
+        (
+            {"quota_readable": True, "quota_cpus": 4.0, "visible": 1},
+            (2 << 30) - (1 << 20),  # within 1%
+            ("contradiction", "ok"),
+        ),
+        ({"quota_readable": True, "quota_cpus": None, "visible": 1}, None, ("contradiction", "ok")),
+        ({"quota_readable": False, "visible": None}, None, ("unreadable", "ok")),
+    ],
+)
+def test_probe_at_least_conditions(
+    cpu: dict[str, Any], memory: int | None, want: tuple[str, str]
+) -> None:
+    """min_cpus/min_memory mean "at least": more is fine, unlimited memory is fine."""
+    obs = observed(cpu=cpu, memory={"readable": True, "limit_b": memory, "cgroup": "v2"})
+    checks = statuses(decide(AT_LEAST, obs, grader_timeout_s=600))
+    assert (checks["min_cpus"], checks["min_memory"]) == want
+    assert checks["memory"] == "not_declared"  # the exact fields are not checked
+    assert checks["cpus"] in ("not_declared", "unreadable")
+    unreadable = observed(memory={"readable": False, "error": "no cgroup"})
+    assert statuses(decide(AT_LEAST, unreadable, grader_timeout_s=600))["min_memory"] == (
+        "unreadable"
+    )
+    # Undeclared, the at-least fields are not checked (no line in the report).
+    assert "min_cpus" not in statuses(decide(Conditions(), obs, grader_timeout_s=600))
+
+
+def test_at_least_conditions_size_the_request() -> None:
+    grader = Grader(FakeAcquire({}), GradeConfig(cpu=1.0, memory="2Gi"))
+    more = dataclasses.replace(task(), conditions=Conditions(min_cpus=3.0, min_memory_b=8 << 30))
+    assert (grader.request_for(more).cpu, grader.request_for(more).memory_b) == (3.0, 8 << 30)
+    less = dataclasses.replace(task(), conditions=Conditions(min_cpus=0.5, min_memory_b=1 << 30))
+    assert (grader.request_for(less).cpu, grader.request_for(less).memory_b) == (1.0, 2 << 30)
+
+
 def test_probe_unreadable_is_reported_not_passed() -> None:
     obs = observed(memory={"readable": False, "error": "no cgroup"}, cpu={"visible": None})
     checks = statuses(decide(DECLARED, obs, grader_timeout_s=600))
@@ -134,10 +184,13 @@ class FakeSandbox:
             out = "SANDMAN-OOM-KILLS 0\nSANDMAN-APPLIED\n" if code == 0 else ""
             return ExecResult(code, out, "apply said no")
         self.script["test_timeout"] = timeout
+        run = self.script.get("run", GOOD_RUN)
+        # unittest's exit status: 1 when a test failed (or no test ran), else 0.
+        failed = " ... FAIL" in run or " ... ok" not in run
         return ExecResult(
-            self.script.get("exit", 1),
+            self.script.get("exit", 1 if failed else 0),
             "",
-            self.script.get("run", GOOD_RUN),
+            run,
             self.script.get("timed_out", False),
         )
 
@@ -186,6 +239,14 @@ def test_resolved_unresolved_and_request_shape() -> None:
     bad = Grader(FakeAcquire({"run": BAD_RUN}), CFG).grade(task(), b"")
     assert bad.verdict is Verdict.UNRESOLVED and bad.reward == 0.0
     assert "FAIL_TO_PASS not passing" in bad.reason
+
+
+def test_non_zero_exit_without_a_failing_test_is_unresolved() -> None:
+    """The log says every test passed but the test command failed: the log does not
+    describe the run (fake status lines), so it is not rewarded (as SWE-bench does)."""
+    lying = Grader(FakeAcquire({"run": GOOD_RUN, "exit": 1}), CFG).grade(task(), b"")
+    assert lying.verdict is Verdict.UNRESOLVED and lying.reward == 0.0
+    assert "exited 1 but its output reports no failing test" in lying.reason
 
 
 def test_timeout_no_output_and_non_applying_patch_are_unresolved() -> None:

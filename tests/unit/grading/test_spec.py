@@ -196,3 +196,44 @@ def test_pytest_ra_outcomes() -> None:
     assert lookup(out, "tests.test_x.TestK.test_two") == "failed"  # dotted spec, pytest id
     assert lookup(out, "tests/test_x.py::TestK::test_two") == "failed"
     assert parse_output(UNITTEST, "pytest") == {}
+
+
+def test_pytest_summary_ids_with_dashes_and_brackets() -> None:
+    """Regression (the SWE-bench differential check): a parametrized id containing
+    ``" - "`` was cut at it (``test_p[p``), so the test was missing and a correct patch
+    scored unresolved; the message separator is the first ``" - "`` after the id's
+    closing bracket."""
+    out = parse_output(
+        "PASSED t.py::test_p[p - q]\n"
+        "FAILED t.py::test_p[x[1]] - AssertionError: a - b\n"
+        "FAILED t.py::test_q - assert [1] == [2]\n"
+        "XFAIL t.py::test_r[a] - reason] - more\n"
+        "XPASS t.py::test_s[a]] - reason\n"
+    )
+    assert out == {
+        "t.py::test_p[p - q]": "passed",
+        "t.py::test_p[x[1]]": "failed",
+        "t.py::test_q": "failed",
+        "t.py::test_r[a]": "xfail",
+        "t.py::test_s[a]]": "xpass",
+    }
+
+
+def test_at_least_conditions() -> None:
+    spec = parse_task(minimal(conditions={"min_cpus": 2, "min_memory": "3Gi"}))
+    assert (spec.conditions.min_cpus, spec.conditions.min_memory_b) == (2.0, 3 << 30)
+    assert spec.conditions.cpus is None and spec.conditions.memory_b is None
+    with pytest.raises(TaskSpecError) as info:
+        parse_task(
+            minimal(conditions={"cpus": 1, "min_cpus": 2, "memory": "1Gi", "min_memory": "1Gi"})
+        )
+    assert {i.path for i in info.value.issues} == {
+        "$.conditions.min_cpus",
+        "$.conditions.min_memory",
+    }
+    with pytest.raises(TaskSpecError) as info:
+        parse_task(minimal(conditions={"min_memory": "2GB", "min_cpus": 0}))
+    assert {i.path for i in info.value.issues} == {
+        "$.conditions.min_memory",
+        "$.conditions.min_cpus",
+    }

@@ -14,6 +14,7 @@ from broker.errors import (
     ForeignPod,
     GuardMissing,
     IllegalTransition,
+    ImageNotFound,
     UnknownJob,
 )
 from broker.ledger import store
@@ -87,6 +88,20 @@ def test_unknown_job_is_a_typed_error_and_writes_nothing(provider, sessions):
         provider.intent(spec(job="nope", request_id="r-unknown"))
     with sessions() as s:
         assert store.by_request(s, "r-unknown") is None
+
+
+def test_missing_image_is_typed_before_the_intent_row(provider, backend, sessions):
+    backend.missing_images.add("localhost/task:1")
+    with pytest.raises(ImageNotFound):
+        provider.intent(spec(request_id="r-noimage"))
+    with sessions() as s:
+        assert store.by_request(s, "r-noimage") is None
+    assert not backend.pods
+    backend.missing_images.clear()
+    pinned = "sha256:" + "a" * 64
+    backend.missing_images.add(pinned)  # a pinned digest is what is checked
+    with pytest.raises(ImageNotFound):
+        provider.intent(spec(request_id="r-pinned", image_digest=pinned))
 
 
 def test_5xx_after_store_is_adopted_by_nonce(provider, backend, sessions):

@@ -39,3 +39,18 @@ def test_cli_warm_option() -> None:
         parse_warm("python:3.12", 300.0)
     with pytest.raises(InvalidRequest):
         parse_warm("python:3.12=1,colour=red", 300.0)
+
+
+def test_cli_egress_option() -> None:
+    from broker.cli.run import parse_egress
+    from broker.errors import InvalidRequest
+
+    assert parse_egress("allow") == {"egress": "allow", "egress_allow": []}
+    assert parse_egress("deny") == {"egress": "deny", "egress_allow": []}
+    assert parse_egress("192.0.2.7,2001:db8::/48") == {
+        "egress": "allowlist",
+        "egress_allow": ["192.0.2.7/32", "2001:db8::/48"],
+    }
+    for bad in ("192.0.2.1/24", "deny,192.0.2.0/24", "", "Allow"):
+        with pytest.raises(InvalidRequest, match="--egress"):
+            parse_egress(bad)
