@@ -39,8 +39,9 @@ sys.path.insert(0, str(REPO))
 os.environ.setdefault("MSWEA_SILENT_STARTUP", "1")
 
 from bench.common import ms, pct, save, summary  # noqa: E402
+from broker.local.demo import DEMO_IMAGE  # noqa: E402
 
-IMAGE = "sandman/test-task:1"
+IMAGE = DEMO_IMAGE  # in the local store (make local-images)
 Call = Callable[[], Awaitable[Any]]
 
 

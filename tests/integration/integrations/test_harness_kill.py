@@ -32,11 +32,12 @@ from broker.ledger.models import Sandbox, utcnow
 from broker.ledger.states import State
 from broker.ownership.gc import run_gc
 from broker.settings import Settings
+from tests.support.images import TASK_IMAGE
 from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[3]
-IMAGE = "sandman/test-task:1"
+IMAGE = TASK_IMAGE
 
 HARNESSES = {
     "inspect": """

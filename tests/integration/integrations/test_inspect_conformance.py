@@ -22,10 +22,11 @@ from broker.ledger.db import make_session_factory
 from broker.ledger.models import Sandbox
 from broker.ledger.states import State
 from broker.settings import Settings
+from tests.support.images import TASK_IMAGE
 from tests.support.wait import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.anyio]
-IMAGE = "sandman/test-task:1"
+IMAGE = TASK_IMAGE
 
 # The local backend runs execd under bubblewrap with every capability dropped and the host
 # root mounted read-only as the image: execd cannot switch users (so `user=` other than

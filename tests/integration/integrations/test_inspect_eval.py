@@ -22,6 +22,7 @@ from broker.ledger import store
 from broker.ledger.models import Sandbox
 from broker.ledger.states import State
 from broker.settings import Settings
+from tests.support.images import TASK_IMAGE
 from tests.support.wait import wait_until
 
 pytestmark = [
@@ -31,7 +32,7 @@ pytestmark = [
     # eval() leaves an anyio stream unclosed even with Inspect's own "local" sandbox.
     pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning"),
 ]
-IMAGE = "sandman/test-task:1"
+IMAGE = TASK_IMAGE
 
 
 @pytest.fixture
