@@ -38,6 +38,53 @@ SPECS = SWE / "specs"
 JOB = "grading-real"
 
 
+STACK_DBS = range(15, 9, -1)  # Redis databases the grading stacks may claim
+OWNER_KEY = "sandman-test:stack-owner"
+# Atomically: take the database if its owner is still the one we saw (nobody, or a
+# dead process), flushing whatever that owner left, and name ourselves its owner.
+_TAKE = """
+local owner = redis.call('GET', KEYS[1]) or ''
+if owner ~= ARGV[1] then return 0 end
+redis.call('FLUSHDB')
+redis.call('SET', KEYS[1], ARGV[2])
+return 1
+"""
+
+
+def _owner_gone(owner: str) -> bool:
+    """An owner is ``<pid>``: gone when no such process runs here (a crashed session)."""
+    try:
+        return not Path(f"/proc/{int(owner)}").exists()
+    except ValueError:
+        return True
+
+
+def claim_redis_db(redis_url: str) -> str:
+    """The URL of a Redis database (10-15) owned by this test process.
+
+    A database is free unless its owner key names a live process: a session killed
+    before its teardown must not leave a database taken for every later run on this
+    state dir. Keys without an owner are such leftovers (from before owners existed);
+    taking a database flushes it.
+    """
+    import redis as redis_lib
+
+    base = redis_url.rsplit("/", 1)[0]
+    me = str(os.getpid())
+    for n in STACK_DBS:
+        db = redis_lib.Redis.from_url(f"{base}/{n}")
+        try:
+            raw = db.get(OWNER_KEY)
+            owner = raw.decode() if raw else ""
+            if owner == me or (owner and not _owner_gone(owner)):
+                continue  # another live stack's (or one of ours still up)
+            if db.eval(_TAKE, 1, OWNER_KEY, owner, me):
+                return f"{base}/{n}"
+        finally:
+            db.close()
+    raise AssertionError(f"no free Redis database for the grading stack in {list(STACK_DBS)}")
+
+
 @pytest.fixture(scope="module")
 def stack(  # type: ignore[no-untyped-def]
     kubeconfig_path, core_v1, database_url, redis_url, tmp_path_factory
@@ -57,11 +104,7 @@ def stack(  # type: ignore[no-untyped-def]
     )
     # A Redis database of its own (other sessions may share the embedded Redis), so no
     # other worker can take this stack's messages.
-    keyspace = redis_lib.Redis.from_url(redis_url).info("keyspace")
-    free = [n for n in range(15, 9, -1) if f"db{n}" not in keyspace]
-    assert free, f"no free Redis database for the grading stack: {keyspace}"
-    url = redis_url.rsplit("/", 1)[0] + f"/{free[0]}"
-    redis_lib.Redis.from_url(url).flushdb()
+    url = claim_redis_db(redis_url)
     engine = make_engine(database_url)
     with make_session_factory(engine).begin() as s:
         store.ensure_job(s, JOB, node_selector=REAL_NODE_SELECTOR, readiness_budget_s=180.0)
@@ -100,9 +143,8 @@ def stack(  # type: ignore[no-untyped-def]
         log.close()
         with contextlib.suppress(Exception):
             core_v1.delete_namespace(namespace, grace_period_seconds=0)
-        # Free the Redis database for the next stack: three modules build one each now
-        # (this one, test_harness_cluster, test_inspect_conformance_cluster), and only
-        # databases 10-15 with no keys count as free.
+        # Free the Redis database for the next stack: three modules build one each
+        # (this one, test_harness_cluster, test_inspect_conformance_cluster).
         redis_lib.Redis.from_url(url).flushdb()
 
 
