@@ -9,11 +9,13 @@ import sys
 import pytest
 
 pytestmark = pytest.mark.unit
-HARNESSES = ("inspect_ai", "minisweagent", "swerex")
+HARNESSES = ("inspect_ai", "minisweagent", "swerex", "openenv")
+# What harnesses drag in: the core must not either.
+HEAVY = ("gradio", "fastapi")
 
 
-def _loaded_after(imports: str) -> set[str]:
-    code = f"import sys\n{imports}\nprint(','.join(m for m in {HARNESSES!r} if m in sys.modules))"
+def _loaded_after(imports: str, watched: tuple[str, ...] = HARNESSES) -> set[str]:
+    code = f"import sys\n{imports}\nprint(','.join(m for m in {watched!r} if m in sys.modules))"
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     ).stdout.strip()
@@ -26,12 +28,17 @@ def test_the_core_loads_no_harness() -> None:
         "import broker, broker.client, broker.grading, broker.cli.main, "
         "broker.integrations, broker.integrations.common"
     )
-    assert _loaded_after(core) == set()
+    assert _loaded_after(core, HARNESSES + HEAVY) == set()
 
 
 @pytest.mark.parametrize(
     ("module", "harness"),
-    [("inspectai", "inspect_ai"), ("minisweagent", "minisweagent"), ("swerex", "swerex")],
+    [
+        ("inspectai", "inspect_ai"),
+        ("minisweagent", "minisweagent"),
+        ("swerex", "swerex"),
+        ("openenv", "openenv"),
+    ],
 )
 def test_each_adapter_loads_only_its_own_harness(module: str, harness: str) -> None:
     assert _loaded_after(f"import broker.integrations.{module}") == {harness}
