@@ -210,18 +210,39 @@ class LocalBackend:
     def _workspace(self, name: str) -> Path:
         return self.root / name / "workspace"
 
-    def _sandbox_root(self, spec: PodSpec) -> SandboxRoot | None:
-        """Unpack the image if this is its first use, then lay the sandbox's own writable
-        layer over it (None on the benchmark-only host root)."""
+    def _unpacked(self, spec: PodSpec) -> tuple[Path, list[str]] | None:
+        """The image's unpacked root and its ``Env``, resolved ONCE (a tag re-imported
+        meanwhile cannot mix two digests), unpacked now if this is its first use (None
+        on the benchmark-only host root). Called before the record exists: a first
+        unpack takes seconds, and a record without a process all that time would look
+        settled to a delete."""
         if self.host_root:
             return None
-        rootfs = self.images.rootfs(self.images.resolve(spec.image))
+        digest = self.images.resolve(spec.image)
+        rootfs = self.images.rootfs(digest)
+        return rootfs, [str(item) for item in self.images.config(digest).get("Env") or []]
+
+    def _unpacked_or_typed(self, spec: PodSpec) -> tuple[Path, list[str]] | None:
+        """``_unpacked`` with its failures typed: the image's own (ImageNotFound,
+        ImageInvalid, also for a config or manifest that does not parse), or the host's
+        (KubeUnavailable: a full disk, a failed unpack)."""
+        try:
+            return self._unpacked(spec)
+        except (ImageNotFound, ImageInvalid):
+            raise
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ImageInvalid(f"image {spec.image}: {exc}") from exc
+        except OSError as exc:
+            raise KubeUnavailable(f"cannot unpack image {spec.image}: {exc}") from exc
+
+    def _sandbox_root(self, spec: PodSpec, rootfs: Path) -> SandboxRoot:
+        """The sandbox's own writable layer over the unpacked image."""
         root = SandboxRoot(rootfs, self.root / spec.name, overlay=overlay_works(self.root))
         root.prepare()
         return root
 
     def _image_argv(
-        self, spec: PodSpec, mark: str, root: SandboxRoot
+        self, spec: PodSpec, mark: str, root: SandboxRoot, image_env: list[str]
     ) -> tuple[list[str], list[str]]:
         """bwrap's first arguments on an image root, and the python that runs execd."""
         assert self.bwrap is not None
@@ -237,8 +258,8 @@ class LocalBackend:
             command = hosted.command()
         else:
             command = [python]
-        for item in self.images.config(self.images.resolve(spec.image)).get("Env") or []:
-            key, sep, value = str(item).partition("=")
+        for item in image_env:
+            key, sep, value = item.partition("=")
             if sep and key:
                 argv += ["--setenv", key, value]
         return argv, command
@@ -252,11 +273,12 @@ class LocalBackend:
         info_fd: int,
         *,
         root: SandboxRoot | None = None,
+        image_env: list[str] | None = None,
     ) -> list[str]:
         if self.bwrap is None:
             raise KubeUnavailable("bubblewrap (bwrap) is not installed: apt-get install bubblewrap")
         if root is not None:
-            argv, python = self._image_argv(spec, mark, root)
+            argv, python = self._image_argv(spec, mark, root, image_env or [])
         else:
             argv, python = self._host_root_argv(mark), [self.python]
         workdir = _workdir(spec.workdir, nested=root is not None)
@@ -337,6 +359,7 @@ class LocalBackend:
         meta_path = self._meta_path(spec.name)
         if meta_path.exists():  # O_EXCL below decides; this spares a port claim
             raise KubeConflict(f"local pod {spec.name} exists", status=409)
+        unpacked = self._unpacked_or_typed(spec)  # nothing exists yet if this refuses
         port = self.ports.claim(spec.name)
         meta: dict[str, Any] = {
             "name": spec.name,
@@ -358,43 +381,55 @@ class LocalBackend:
         except OSError as exc:
             self.ports.release(port, spec.name)
             raise KubeUnavailable(f"cannot record local pod {spec.name}: {exc}") from exc
-        workspace = self._workspace(spec.name)
-        workspace.mkdir(parents=True, exist_ok=True)
-        log = (self.root / spec.name / "execd.log").open("ab")
-        read_fd, write_fd = os.pipe()
-        token_fd = _token_pipe(spec.token)
+        read_fd = write_fd = token_fd = -1
+        log = None
         try:
-            root = self._sandbox_root(spec)
-            argv = self._argv(spec, mark, port, workspace, write_fd, root=root)
-            proc = subprocess.Popen(
-                root.wrap(argv) if root is not None else argv,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=log,
-                start_new_session=True,
-                pass_fds=(write_fd, token_fd),
-                # The token travels in a pipe that execd reads to EOF and closes: not on
-                # the command line (`ps` shows it to every local user), and not in the
-                # environment, which bubblewrap's init (PID 1 in the sandbox) would keep
-                # in its /proc/1/environ for every command to read.
-                env={
-                    "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-                    "LANG": "C.UTF-8",
-                    "SANDMAN_EXECD_TOKEN_FD": str(token_fd),
-                },
-            )
-        except (OSError, KubeUnavailable, subprocess.CalledProcessError) as exc:
-            os.close(read_fd)
+            # Under the record's lock, which a delete holds too: a delete that ran since
+            # the record was written (a trainer giving up, the GC) has forgotten it, and
+            # nothing may start then; once started, the marker is on the process.
+            with self._record_lock(spec.name):
+                if not meta_path.exists():
+                    raise KubeUnavailable(f"local pod {spec.name} was deleted before it started")
+                workspace = self._workspace(spec.name)
+                workspace.mkdir(parents=True, exist_ok=True)
+                root = None if unpacked is None else self._sandbox_root(spec, unpacked[0])
+                image_env = None if unpacked is None else unpacked[1]
+                log = (self.root / spec.name / "execd.log").open("ab")
+                read_fd, write_fd = os.pipe()
+                token_fd = _token_pipe(spec.token)
+                argv = self._argv(
+                    spec, mark, port, workspace, write_fd, root=root, image_env=image_env
+                )
+                proc = subprocess.Popen(
+                    root.wrap(argv) if root is not None else argv,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=log,
+                    start_new_session=True,
+                    pass_fds=(write_fd, token_fd),
+                    # The token travels in a pipe that execd reads to EOF and closes: not
+                    # on the command line (`ps` shows it to every local user), and not in
+                    # the environment, which bubblewrap's init (PID 1 in the sandbox)
+                    # would keep in its /proc/1/environ for every command to read.
+                    env={
+                        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+                        "LANG": "C.UTF-8",
+                        "SANDMAN_EXECD_TOKEN_FD": str(token_fd),
+                    },
+                )
+        except BaseException as exc:  # nothing started: forget all of it, then say why
+            if read_fd >= 0:
+                os.close(read_fd)
             self._forget(spec.name, meta)
-            raise KubeUnavailable(f"cannot start bwrap: {exc}") from exc
-        except (ImageNotFound, ImageInvalid):
-            os.close(read_fd)
-            self._forget(spec.name, meta)
+            if isinstance(exc, (OSError, ValueError, subprocess.CalledProcessError)):
+                raise KubeUnavailable(f"cannot start bwrap: {exc}") from exc
             raise
         finally:
-            os.close(write_fd)
-            os.close(token_fd)
-            log.close()
+            for fd in (write_fd, token_fd):
+                if fd >= 0:
+                    os.close(fd)
+            if log is not None:
+                log.close()
         with _children_lock:
             _children[proc.pid] = proc
         _reap_exited()

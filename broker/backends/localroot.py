@@ -22,6 +22,8 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -112,13 +114,26 @@ def host_python() -> HostPython:
     return HostPython(exe, stdlib, tuple(sorted(libs.items())), loader)
 
 
-@functools.cache
+_probe_lock = threading.Lock()
+
+
 def overlay_works(scratch: Path) -> bool:
-    """Probe (once per process) whether this process may mount overlayfs in a private
-    mount namespace, with the upper layer on the file system sandboxes use."""
+    """Probe (once per process and scratch dir) whether this process may mount overlayfs
+    in a private mount namespace, with the upper layer on the file system sandboxes use.
+
+    Serialised: workers run creates on threads, and two first creates probing at once
+    must not remove each other's probe (a failed probe means the slow copy fallback for
+    the rest of the process)."""
+    with _probe_lock:
+        return _overlay_probe(scratch)
+
+
+@functools.cache
+def _overlay_probe(scratch: Path) -> bool:
     if shutil.which("unshare") is None:
         return False
-    probe = scratch / f".overlay-probe-{os.getpid()}"
+    scratch.mkdir(parents=True, exist_ok=True)
+    probe = Path(tempfile.mkdtemp(prefix=".overlay-probe-", dir=scratch))
     dirs = {k: probe / k for k in ("lower", "upper", "work", "merged")}
     try:
         for d in dirs.values():

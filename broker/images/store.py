@@ -149,7 +149,9 @@ class ImageStore:
         as stdin, spooled to a temporary file first since archives need random access).
         ``tags`` add references (for archives whose images carry none)."""
         self.root.mkdir(parents=True, exist_ok=True)
-        with contextlib.ExitStack() as stack:
+        # One lock from the first blob to the refs: a concurrent ``remove`` prunes every
+        # blob no ref names yet, which would include this import's.
+        with _flock(self.root / ".lock"), contextlib.ExitStack() as stack:
             if isinstance(source, Path):
                 path = source
             else:
@@ -164,10 +166,11 @@ class ImageStore:
             except (tarfile.TarError, OSError) as exc:
                 raise ImageInvalid(f"not a tar archive: {exc}") from exc
             images = archive.read_archive(tar, self.put_blob)
-        if tags and len(images) != 1:
-            raise ImageInvalid(f"--tag needs an archive of one image, this one has {len(images)}")
-        out = []
-        with _flock(self.root / ".lock"):
+            if tags and len(images) != 1:
+                raise ImageInvalid(
+                    f"--tag needs an archive of one image, this one has {len(images)}"
+                )
+            out = []
             table = self._refs()
             for image in images:
                 # An image without a name is listed (and removable) under its digest.

@@ -97,7 +97,10 @@ def _apply_whiteouts(root: Path, members: list[tarfile.TarInfo]) -> None:
             for child in list(parent.iterdir()):
                 _remove(child)
         else:
-            _remove(parent / base[len(WHITEOUT) :])
+            target = base[len(WHITEOUT) :]
+            if target in ("", ".", ".."):  # ".wh..." would whiten the parent, or above it
+                raise ImageInvalid(f"layer entry {member.name!r}: a whiteout of {target!r}")
+            _remove(parent / target)
 
 
 def _set_meta(path: Path, member: tarfile.TarInfo, *, as_root: bool) -> None:

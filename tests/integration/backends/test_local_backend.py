@@ -6,12 +6,13 @@ import os
 import shutil
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
 from broker.backends.local import LocalBackend, _children, _proc_start
-from broker.errors import GuardMissing, KubeConflict
+from broker.errors import GuardMissing, KubeConflict, KubeUnavailable
 from broker.settings import Settings
 from broker.wire.execd import execd_answers
 from tests.support.factories import pod_spec
@@ -181,3 +182,29 @@ def test_a_sandbox_is_found_by_its_marker_alone_and_deleted_by_nonce(
     assert localprocs.scan(backend.mark_root) == []
     assert not (backend.root / ".ports" / str(port)).exists()
     assert backend.list_all_labelled("ns") == []
+
+
+def test_a_delete_between_the_record_and_the_start_starts_nothing(
+    backend: LocalBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A release or GC pass may delete a sandbox whose record exists and whose process
+    does not yet (a create in flight): the create must then start nothing, or a process
+    would run with no record and no port lock."""
+    spec = pod_spec("sm-raced", nonce="n-raced")
+    locking = LocalBackend._record_lock
+    raced: list[bool] = []
+
+    def delete_first(self: LocalBackend, name: str) -> Any:
+        if name == spec.name and not raced:
+            raced.append(False)  # the delete below takes this lock too
+            raced[0] = self.delete("ns", name, spec.nonce)
+        return locking(self, name)
+
+    monkeypatch.setattr(LocalBackend, "_record_lock", delete_first)
+    with pytest.raises(KubeUnavailable, match="deleted before it started"):
+        backend.create(spec)
+    assert raced == [True]
+    assert backend.get("ns", spec.name) is None
+    assert backend.list_installation("ns", spec.installation) == []
+    assert backend.ports.held_by(spec.name) == []
+    assert not (backend.root / spec.name).exists()

@@ -109,3 +109,20 @@ def test_a_whiteout_never_deletes_through_a_lower_symlink(tmp_path: Path) -> Non
     with pytest.raises(ImageInvalid):
         unpack(root, [low, high])
     assert (victim / "x").read_text() == "host file"
+
+
+@pytest.mark.parametrize("name", [".wh...", ".wh..", ".wh.", "sub/.wh...", "sub/.wh."])
+def test_a_whiteout_of_the_parent_or_above_is_refused(tmp_path: Path, name: str) -> None:
+    """``.wh...`` names ``..``: it would remove the unpack root's parent (every other
+    unpacked image); ``.wh.`` and ``.wh..`` name the directory itself."""
+    images = tmp_path / "rootfs"
+    sibling = images / "other-digest"
+    sibling.mkdir(parents=True)
+    (sibling / "file").write_text("another image")
+    root = images / "this-digest"
+    root.mkdir()
+    base = layer(tmp_path / "l1.tar", [("sub", "dir"), ("sub/keep", "file", "k")])
+    with pytest.raises(ImageInvalid):
+        unpack(root, [base, layer(tmp_path / "l2.tar", [(name, "file")])])
+    assert (sibling / "file").read_text() == "another image"
+    assert (root / "sub" / "keep").read_text() == "k"
