@@ -100,6 +100,12 @@ def register(group: click.Group) -> None:
     @click.option("--egress-host", default="example.com", show_default=True)
     @click.option("--cpu", default=1.0, show_default=True, help="When a task declares none.")
     @click.option("--memory", default="2Gi", show_default=True, help="When a task declares none.")
+    @click.option(
+        "--sensitivity",
+        is_flag=True,
+        help="Also grade the reference under perturbed conditions (hash seeds, TZ, one "
+        "visible CPU, egress): report load_bearing and undeclared_dependency per task.",
+    )
     @click.pass_context
     def preflight(  # noqa: PLR0917 (click passes options positionally)
         ctx: click.Context,
@@ -112,10 +118,19 @@ def register(group: click.Group) -> None:
         egress_host: str,
         cpu: float,
         memory: str,
+        sensitivity: bool,
     ) -> None:
-        """Reference patch must pass, empty patch must fail, for every task in TASKS."""
+        """Reference patch must pass, empty patch must fail, for every task in TASKS.
+
+        Exit 0 only if every task is ok (and, with --sensitivity, none has an
+        undeclared_dependency)."""
         from broker.grading.grade import GradeConfig
-        from broker.grading.preflight import PreflightEntry, run_preflight, write_reports
+        from broker.grading.preflight import (
+            PreflightEntry,
+            PreflightOptions,
+            run_preflight,
+            write_reports,
+        )
         from broker.grading.spec import TaskSpecError, load_task
 
         specs, invalid = [], []
@@ -130,7 +145,11 @@ def register(group: click.Group) -> None:
         started = time.monotonic()
         with click.progressbar(length=len(specs), label="preflight", show_pos=True) as bar:
             entries = run_preflight(
-                grader, specs, parallel=parallel, on_done=lambda _e: bar.update(1)
+                grader,
+                specs,
+                parallel=parallel,
+                on_done=lambda _e: bar.update(1),
+                options=PreflightOptions(sensitivity=sensitivity),
             )
         entries += invalid
         out = Path(out_dir)
@@ -142,10 +161,15 @@ def register(group: click.Group) -> None:
                 "parallel": parallel,
                 "tasks": len(entries),
                 "wall_s": round(time.monotonic() - started, 1),
+                "sensitivity": sensitivity,
             },
             exclude_file=Path(exclude_file) if exclude_file else out / "excluded.txt",
         )
         for e in entries:
-            click.echo(f"{e.status:34} {e.task_id}")
+            flags = f" load_bearing={','.join(e.load_bearing)}" if e.load_bearing else ""
+            if e.undeclared_dependency:
+                flags += f" undeclared_dependency={','.join(e.undeclared_dependency)}"
+            click.echo(f"{e.status:34} {e.task_id}{flags}")
         click.echo(f"report: {paths['json']} {paths['markdown']}; exclusions: {paths['exclude']}")
-        sys.exit(0 if all(e.status == "ok" for e in entries) else 1)
+        clean = all(e.status == "ok" and not e.undeclared_dependency for e in entries)
+        sys.exit(0 if clean else 1)

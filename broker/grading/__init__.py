@@ -8,6 +8,7 @@ See docs/grading.md. Public API::
 from broker.grading.api import GradingClient, agrade, broker_acquire, grade
 from broker.grading.grade import GradeConfig, Grader
 from broker.grading.patch import ExtractedPatch, PatchExtractionError, extract_patch
+from broker.grading.preflight import PreflightEntry, PreflightOptions, run_preflight
 from broker.grading.results import GradeResult, Verdict
 from broker.grading.spec import TaskSpec, TaskSpecError, load_task
 
@@ -18,6 +19,8 @@ __all__ = [
     "Grader",
     "GradingClient",
     "PatchExtractionError",
+    "PreflightEntry",
+    "PreflightOptions",
     "TaskSpec",
     "TaskSpecError",
     "Verdict",
@@ -26,4 +29,5 @@ __all__ = [
     "extract_patch",
     "grade",
     "load_task",
+    "run_preflight",
 ]

@@ -22,6 +22,7 @@ from typing import Any
 from broker.errors import SandmanError
 from broker.grading.grade import Grader
 from broker.grading.results import GradeResult, Verdict
+from broker.grading.sensitivity import EgressSupport, analyse, no_per_sandbox_egress
 from broker.grading.spec import TaskSpec
 
 EXCLUDED_STATUSES = frozenset(
@@ -44,6 +45,13 @@ class PreflightEntry:
     empty: dict[str, Any] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
     duration_s: float = 0.0
+    # --sensitivity only (None without it): the condition keys whose perturbation flips
+    # the reference's verdict, the tests each flips, the load-bearing keys the task does
+    # not declare, and every perturbed run (broker/grading/sensitivity.py).
+    load_bearing: list[str] | None = None
+    load_bearing_tests: dict[str, list[str]] | None = None
+    undeclared_dependency: list[str] | None = None
+    sensitivity: list[dict[str, Any]] | None = None
 
     @property
     def excluded(self) -> bool:
@@ -77,24 +85,42 @@ def classify(reference: GradeResult, empty: GradeResult) -> str:
     return "empty_passes" if ref_ok else "reference_fails"
 
 
-def preflight_task(grader: Grader, task: TaskSpec) -> PreflightEntry:
+@dataclass(frozen=True)
+class PreflightOptions:
+    sensitivity: bool = False  # also grade the reference under perturbed conditions
+    egress: EgressSupport = no_per_sandbox_egress  # can a grading sandbox get that egress?
+
+
+def preflight_task(
+    grader: Grader, task: TaskSpec, options: PreflightOptions | None = None
+) -> PreflightEntry:
     started = time.monotonic()
+    opts = options or PreflightOptions()
     if task.reference_patch is None:
         return PreflightEntry(task.task_id, "no_reference", task.source)
     try:
         reference = grader.grade(task, task.reference_patch)
         empty = grader.grade(task, b"")
+        entry = PreflightEntry(
+            task.task_id,
+            classify(reference, empty),
+            task.source,
+            reference=_brief(reference),
+            empty=_brief(empty),
+        )
+        if opts.sensitivity and reference.verdict is not Verdict.INFRA_ERROR:
+            found = analyse(
+                task, reference, lambda t: grader.grade(t, t.reference_patch), opts.egress
+            )
+            entry.load_bearing = found.load_bearing
+            entry.load_bearing_tests = found.flipped_tests
+            entry.undeclared_dependency = found.undeclared_dependency
+            entry.sensitivity = [asdict(r) for r in found.runs]
     except SandmanError as exc:  # e.g. UnknownJob, an image the broker refuses
         message = f"{type(exc).__name__}: {exc}"
         return PreflightEntry(task.task_id, "error", task.source, errors=[message])
-    return PreflightEntry(
-        task.task_id,
-        classify(reference, empty),
-        task.source,
-        reference=_brief(reference),
-        empty=_brief(empty),
-        duration_s=time.monotonic() - started,
-    )
+    entry.duration_s = time.monotonic() - started
+    return entry
 
 
 def run_preflight(
@@ -103,11 +129,12 @@ def run_preflight(
     *,
     parallel: int = 4,
     on_done: Callable[[PreflightEntry], None] | None = None,
+    options: PreflightOptions | None = None,
 ) -> list[PreflightEntry]:
     """Every task in parallel (each grading acquires its own sandbox through the broker)."""
     entries: list[PreflightEntry] = []
     with ThreadPoolExecutor(max_workers=max(1, parallel), thread_name_prefix="preflight") as pool:
-        futures = [pool.submit(preflight_task, grader, task) for task in tasks]
+        futures = [pool.submit(preflight_task, grader, task, options) for task in tasks]
         for future in as_completed(futures):
             entry = future.result()
             entries.append(entry)
@@ -144,17 +171,17 @@ def markdown(entries: list[PreflightEntry], meta: dict[str, Any], counts: dict[s
     lines += [f"- {k}: `{v}`" for k, v in meta.items()]
     lines += ["- counts: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())), ""]
     lines += [
-        "| task | status | excluded | reference | empty | seconds |",
-        "|---|---|---|---|---|---|",
+        "| task | status | excluded | reference | empty | load-bearing | seconds |",
+        "|---|---|---|---|---|---|---|",
     ]
     for e in entries:
         ref = e.reference.get("verdict", "-")
         emp = e.empty.get("verdict", "-")
         lines.append(
             f"| `{e.task_id}` | {e.status} | {'yes' if e.excluded else 'no'} | {ref} | {emp} "
-            f"| {e.duration_s:.1f} |"
+            f"| {_load_bearing_cell(e)} | {e.duration_s:.1f} |"
         )
-    problems = [e for e in entries if e.status != "ok"]
+    problems = [e for e in entries if e.status != "ok" or e.load_bearing]
     if problems:
         lines += ["", "## Details", ""]
     for e in problems:
@@ -169,5 +196,33 @@ def markdown(entries: list[PreflightEntry], meta: dict[str, Any], counts: dict[s
                 if part.get("dropped_files"):
                     dropped = ", ".join(f"`{p}`" for p in part["dropped_files"])
                     lines.append(f"  - dropped by the test-path rule: {dropped}")
+        lines += _sensitivity_lines(e)
         lines.append("")
     return "\n".join(lines) + "\n"
+
+
+def _load_bearing_cell(e: PreflightEntry) -> str:
+    if e.load_bearing is None:
+        return "-"
+    undeclared = set(e.undeclared_dependency or [])
+    return (
+        ", ".join(f"{k} (undeclared)" if k in undeclared else k for k in e.load_bearing) or "none"
+    )
+
+
+def _sensitivity_lines(e: PreflightEntry) -> list[str]:
+    lines: list[str] = []
+    tests = e.load_bearing_tests or {}
+    for key in e.load_bearing or []:
+        note = " (undeclared_dependency)" if key in (e.undeclared_dependency or []) else ""
+        values = [
+            r["value"] for r in e.sensitivity or [] if r["key"] == key and r["status"] == "flipped"
+        ]
+        names = ", ".join(f"`{t}`" for t in tests.get(key, [])) or "no per-test change"
+        lines.append(
+            f"- load-bearing `{key}`{note}: flipped at {', '.join(values)}; tests: {names}"
+        )
+    for r in e.sensitivity or []:
+        if r["status"] in ("not_tested", "infra_error"):
+            lines.append(f"- `{r['key']}` {r['status']}: {r['reason']}")
+    return lines

@@ -26,6 +26,7 @@ A field the probe could not read is "unreadable": listed in the report, not pass
 from __future__ import annotations
 
 import json
+import re
 import shlex
 import time
 from dataclasses import asdict, dataclass, field
@@ -37,6 +38,11 @@ from broker.grading.seam import GradingSandbox
 from broker.grading.spec import Conditions
 
 UTC_NAMES = frozenset({"UTC", "UTC0", "GMT", "GMT0"})
+# A POSIX TZ without a DST rule (``IST-5:30``, ``JST-9``, ``<+0530>-5:30``): the C library
+# reads it without zone data. Its offset is west of UTC, so the UTC offset is its negation.
+_POSIX_TZ = re.compile(
+    r"(?:[A-Za-z]{3,}|<[A-Za-z0-9+-]{3,}>)([+-]?)(\d{1,2})(?::(\d{2}))?(?::(\d{2}))?"
+)
 MARKER = "SANDMAN-PROBE "
 
 
@@ -256,11 +262,23 @@ def _tz(declared: str | None, obs: dict[str, Any]) -> FieldCheck:
     if expected is None and declared.lstrip(":") in UTC_NAMES:
         expected = 0
     if expected is None:
+        expected = posix_offset_s(declared)
+    if expected is None:
         if obs.get("zone_file") is False or obs.get("zone_error"):
             return _check("tz", declared, env, True, detail + ": zone data missing in sandbox")
         return FieldCheck("tz", "unreadable", declared, env, detail + ": offset not checkable")
     bad = expected != offset
     return _check("tz", declared, env, bad, detail + f", zone expects {expected}s")
+
+
+def posix_offset_s(tz: str) -> int | None:
+    """The UTC offset of a fixed POSIX TZ (``IST-5:30`` -> 19800), None for anything else."""
+    m = _POSIX_TZ.fullmatch(tz)
+    if m is None:
+        return None
+    sign, hours, minutes, seconds = m.groups()
+    west = int(hours) * 3600 + int(minutes or 0) * 60 + int(seconds or 0)
+    return west if sign == "-" else -west
 
 
 def _locale(declared: str | None, obs: dict[str, Any]) -> FieldCheck:
