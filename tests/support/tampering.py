@@ -146,3 +146,12 @@ def hidden_section() -> bytes:
         b"@@ -0,0 +1 @@\n"
         b"+import statlib\n"
     )
+
+
+def make_test_patch(scratch: Path, files: dict[str, str]) -> bytes:
+    """A test patch against the SWE demo's base commit that adds ``files`` (path -> text)."""
+    repo = make_base_repo(scratch / "test-patch" / "repo")
+    for rel, text in files.items():
+        write(repo, rel, text)
+    git(repo, "add", "-A")
+    return git(repo, "diff", "--cached", "--binary", "--full-index", "HEAD")

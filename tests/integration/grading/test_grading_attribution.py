@@ -21,7 +21,7 @@ from tests.integration.grading.test_grading_execd import (
     LocalGradingSandboxes,
     local,
 )
-from tests.support.tampering import git, make_base_repo, write
+from tests.support.tampering import make_test_patch
 
 pytestmark = pytest.mark.integration
 
@@ -44,10 +44,7 @@ def grading(template: Path, tmp_path: Path) -> LocalGradingSandboxes:
 
 def network_task(grading: LocalGradingSandboxes, scratch: Path) -> TaskSpec:
     """The SWE demo plus a test patch adding a test that needs the network."""
-    repo = make_base_repo(scratch / "net" / "repo")
-    write(repo, "tests/test_net.py", NET_TEST)
-    git(repo, "add", "-A")
-    test_patch = git(repo, "diff", "--cached", "--binary", "--full-index", "HEAD")
+    test_patch = make_test_patch(scratch / "net", {"tests/test_net.py": NET_TEST})
     return dataclasses.replace(
         local(SWE / "task.json", grading),
         test_command="python3 -m unittest -v tests.test_stats tests.test_net",
