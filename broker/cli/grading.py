@@ -17,13 +17,19 @@ TASK_SUFFIXES = (".json", ".yaml", ".yml")
 
 
 def _task_files(paths: tuple[str, ...]) -> list[Path]:
+    """Task files, and Harbor task directories (a directory with task.toml is one task:
+    nothing inside it is read as a task file)."""
     files: list[Path] = []
     for raw in paths:
         path = Path(raw)
-        if path.is_dir():
-            files += sorted(p for p in path.rglob("*") if p.suffix in TASK_SUFFIXES)
-        else:
+        if not path.is_dir() or (path / "task.toml").is_file():
             files.append(path)
+            continue
+        harbor = {p.parent for p in path.rglob("task.toml")}
+        for p in sorted(path.rglob("*")):
+            inside = any(h in p.parents for h in harbor)
+            if p in harbor or (p.suffix in TASK_SUFFIXES and p.is_file() and not inside):
+                files.append(p)
     return files
 
 
@@ -77,7 +83,8 @@ def register(group: click.Group) -> None:
     def grade(
         ctx: click.Context, task_file: str, patch_file: str | None, job: str, attempts: int
     ) -> None:
-        """Grade PATCH_FILE (default: the empty patch) for TASK_FILE; print the result."""
+        """Grade PATCH_FILE (default: the empty patch) for TASK_FILE (a task file or a Harbor
+        task directory); print the result."""
         from broker.grading.grade import GradeConfig
         from broker.grading.spec import TaskSpecError, load_task
 

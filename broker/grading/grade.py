@@ -37,7 +37,7 @@ from broker.errors import (
     SandmanError,
     TemporaryError,
 )
-from broker.grading import attribution
+from broker.grading import attribution, harbor
 from broker.grading.judge import judge
 from broker.grading.patch import ExtractedPatch, is_excluded
 from broker.grading.patchfmt import filter_patch, patch_paths
@@ -301,34 +301,42 @@ class Grader:
             raise TaskError(f"the task's test files/test patch do not apply: {detail}")
         if applied.exit_code != 0 or "SANDMAN-APPLIED" not in applied.stdout:
             raise GradingSandboxRejected(f"apply step failed (exit {applied.exit_code}): {detail}")
+        if task.harbor is not None:
+            harbor.prepare_verifier(sandbox, task.harbor)  # fresh /tests and /logs/verifier
+            command = harbor.verifier_command(task, task.harbor)
+        else:
+            command = f"cd {shlex.quote(task.repo_path)} && {task.test_command}"
         t = time.monotonic()
-        run = sandbox.exec(
-            f"cd {shlex.quote(task.repo_path)} && {task.test_command}",
-            timeout=timeout,
-            max_output_bytes=cfg.max_output_bytes,
-        )
+        run = sandbox.exec(command, timeout=timeout, max_output_bytes=cfg.max_output_bytes)
         attempt.durations["tests_s"] = time.monotonic() - t
         output = run.stdout + "\n" + run.stderr
-        judged = judge(
-            output,
-            task.fail_to_pass,
-            task.pass_to_pass,
-            task.test_runner,
-            exit_code=run.exit_code,
-            timed_out=run.timed_out,
-            timeout=timeout,
-        )
         result = replace(
             result,
-            tests=judged.outcomes,
-            fail_to_pass=judged.fail_to_pass,
-            pass_to_pass=judged.pass_to_pass,
             test_exit_code=run.exit_code,
             test_timed_out=run.timed_out,
             output_tail=output[-cfg.output_tail_chars :],
             infra_kind=None,
         )
-        verdict, reason = judged.verdict, judged.reason
+        if task.harbor is not None:
+            result = harbor_verdict(result, harbor.read_rewards(sandbox), timeout)
+            verdict, reason = result.verdict, result.reason
+        else:
+            judged = judge(
+                output,
+                task.fail_to_pass,
+                task.pass_to_pass,
+                task.test_runner,
+                exit_code=run.exit_code,
+                timed_out=run.timed_out,
+                timeout=timeout,
+            )
+            result = replace(
+                result,
+                tests=judged.outcomes,
+                fail_to_pass=judged.fail_to_pass,
+                pass_to_pass=judged.pass_to_pass,
+            )
+            verdict, reason = judged.verdict, judged.reason
         kinds: list[str] = []
         if verdict is Verdict.UNRESOLVED:
             kinds = attribution.attribute(
@@ -339,6 +347,21 @@ class Grader:
                 egress_denied=_egress_denied(task, report),
             )
         return replace(result, verdict=verdict, reason=reason, attribution=kinds)
+
+
+def harbor_verdict(result: GradeResult, rewards: dict[str, bytes], timeout: float) -> GradeResult:
+    """A Harbor verifier's run -> verdict: resolved only with the full reward (1.0)."""
+    score, source, metrics = harbor.parse_reward(rewards)
+    info = {"reward_file": source if score is not None else None, "metrics": metrics}
+    if result.test_timed_out:
+        reason = f"the verifier timed out after {timeout:g}s"
+        return replace(result, verdict=Verdict.UNRESOLVED, reason=reason, score=0.0, verifier=info)
+    if score is None:
+        return replace(result, verdict=Verdict.UNRESOLVED, reason=source, score=0.0, verifier=info)
+    verdict = Verdict.RESOLVED if score >= 1.0 else Verdict.UNRESOLVED
+    return replace(
+        result, verdict=verdict, reason=f"{source}: reward {score:g}", score=score, verifier=info
+    )
 
 
 def private_dir(sandbox: GradingSandbox) -> str:

@@ -12,19 +12,23 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from broker.errors import SandmanError
+from broker.grading import harbor
 from broker.grading.grade import Grader
+from broker.grading.patch import ExtractedPatch, extract_patch
 from broker.grading.results import GradeResult, Verdict
 from broker.grading.sensitivity import EgressSupport, analyse, no_per_sandbox_egress
 from broker.grading.spec import TaskSpec
 
+log = logging.getLogger(__name__)
 EXCLUDED_STATUSES = frozenset(
     {
         "reference_fails",
@@ -62,6 +66,7 @@ def _brief(result: GradeResult) -> dict[str, Any]:
     return {
         "verdict": result.verdict.value,
         "reason": result.reason,
+        "reward": result.reward,
         "fail_to_pass": result.fail_to_pass,
         "pass_to_pass": result.pass_to_pass,
         "attempts": len(result.attempts),
@@ -96,10 +101,11 @@ def preflight_task(
 ) -> PreflightEntry:
     started = time.monotonic()
     opts = options or PreflightOptions()
-    if task.reference_patch is None:
+    if task.reference_patch is None and not (task.harbor and task.harbor.solution):
         return PreflightEntry(task.task_id, "no_reference", task.source)
     try:
-        reference = grader.grade(task, task.reference_patch)
+        fix = task.reference_patch if task.harbor is None else solution_patch(grader, task)
+        reference = grader.grade(task, fix)
         empty = grader.grade(task, b"")
         entry = PreflightEntry(
             task.task_id,
@@ -121,6 +127,21 @@ def preflight_task(
         return PreflightEntry(task.task_id, "error", task.source, errors=[message])
     entry.duration_s = time.monotonic() - started
     return entry
+
+
+def solution_patch(grader: Grader, task: TaskSpec) -> ExtractedPatch:
+    """A Harbor task's reference: ``solution/solve.sh`` run in a rollout sandbox of the
+    task image (as an agent would work), its changes extracted like an agent's."""
+    assert task.harbor is not None
+    request = replace(grader.request_for(task), role="rollout", visible_cpus=None)
+    timeout = task.harbor.agent_timeout_s or grader.timeout_for(task)
+    with grader.acquire(request) as sandbox:
+        harbor.stage(sandbox, harbor.SOLUTION_DIR, task.harbor.solution)
+        out = sandbox.exec(harbor.solution_script(task, task.harbor), timeout=timeout)
+        if out.exit_code != 0 or out.timed_out:
+            detail = (out.stderr or out.stdout).strip()[-500:]
+            log.warning("%s: solve.sh exited %s: %s", task.task_id, out.exit_code, detail)
+        return extract_patch(sandbox, task)
 
 
 def run_preflight(

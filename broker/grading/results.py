@@ -53,12 +53,19 @@ class GradeResult:
     test_timed_out: bool = False
     output_tail: str = ""
     infra_kind: str | None = None
+    # Harbor tasks: the verifier's own reward (may be fractional; resolved = full reward
+    # 1.0) and what was read: reward_file, metrics, test_exit_code.
+    score: float | None = None
+    verifier: dict[str, Any] | None = None
 
     @property
     def reward(self) -> float | None:
-        """1.0 / 0.0 for a verdict on the patch; None for infra_error (mask the sample)."""
+        """1.0 / 0.0 for a verdict on the patch (a Harbor verifier's reward as it wrote
+        it); None for infra_error (mask the sample)."""
         if self.verdict is Verdict.INFRA_ERROR:
             return None
+        if self.score is not None:
+            return self.score
         return 1.0 if self.verdict is Verdict.RESOLVED else 0.0
 
     @property

@@ -16,13 +16,16 @@ import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from broker.errors import InvalidRequest
 from broker.grading.patchfmt import patch_paths
 from broker.grading.schema import Issue, task_schema, validate
 from broker.grading.testrules import matches_any
 from broker.wire.validation import parse_memory, validate_image
+
+if TYPE_CHECKING:
+    from broker.grading.harbor import HarborTask
 
 yaml: Any = importlib.import_module("yaml")  # PyYAML (untyped)
 
@@ -97,6 +100,9 @@ class TaskSpec:
     reference_patch: bytes | None = None
     conditions: Conditions = field(default_factory=Conditions)
     source: str | None = None
+    # A Harbor task directory (broker/grading/harbor.py): graded by its tests/test.sh
+    # and reward file instead of test_command and per-test outcomes.
+    harbor: HarborTask | None = None
 
     @property
     def image_ref(self) -> str:
@@ -107,8 +113,15 @@ class TaskSpec:
 
 
 def load_task(path: str | Path) -> TaskSpec:
-    """Read and validate one task file; TaskSpecError lists every problem."""
+    """Read and validate one task file (or Harbor task directory); TaskSpecError lists
+    every problem."""
     path = Path(path)
+    if path.is_dir():
+        from broker.grading.harbor import load_harbor_task  # harbor imports this module
+
+        if (path / "task.toml").is_file():
+            return load_harbor_task(path)
+        raise TaskSpecError(str(path), [Issue("$", "a directory without task.toml")])
     try:
         doc = load_document(path)
     except (OSError, ValueError, yaml.YAMLError) as exc:
