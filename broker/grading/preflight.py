@@ -115,9 +115,7 @@ def preflight_task(
             empty=_brief(empty),
         )
         if opts.sensitivity and reference.verdict is not Verdict.INFRA_ERROR:
-            found = analyse(
-                task, reference, lambda t: grader.grade(t, t.reference_patch), opts.egress
-            )
+            found = analyse(task, reference, lambda t: grader.grade(t, fix), opts.egress)
             entry.load_bearing = found.load_bearing
             entry.load_bearing_tests = found.flipped_tests
             entry.undeclared_dependency = found.undeclared_dependency

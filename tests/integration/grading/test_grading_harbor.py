@@ -190,3 +190,12 @@ def test_cli_validate_grade_and_preflight_harbor_dirs(
     doc = json.loads((out / "preflight.json").read_text())
     assert doc["counts"] == {"ok": 1, "empty_passes": 1}, doc
     assert (out / "excluded.txt").read_text() == "sandman-demo/harbor-median-vacuous\n"
+    # no condition carries the passing task's verdict: no false flag, exit 0
+    sensitive = run(
+        "preflight", str(EVEN), "--sensitivity", "--job", JOB, "--out", str(tmp_path / "s"),
+        "--cpu", "0.5", "--memory", "512Mi",
+    )  # fmt: skip
+    assert sensitive.returncode == 0, sensitive.stdout + sensitive.stderr
+    (entry,) = json.loads((tmp_path / "s" / "preflight.json").read_text())["tasks"]
+    assert entry["load_bearing"] == [] and entry["undeclared_dependency"] == []
+    assert sorted({r["status"] for r in entry["sensitivity"]}) == ["not_tested", "same"]

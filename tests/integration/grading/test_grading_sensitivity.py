@@ -13,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,7 +23,9 @@ from broker.client.sync import SandboxClient
 from broker.grading import GradingClient, PreflightOptions, run_preflight
 from broker.grading.preflight import write_reports
 from broker.grading.spec import Conditions, TaskSpec, load_task
-from tests.integration.grading.test_grading_local_backend import CFG, JOB, SWE, client
+from broker.settings import Settings
+from tests.integration.grading.test_grading_local_backend import CFG, JOB, SWE, _env, client
+from tests.support.images import REPO
 from tests.support.tampering import make_test_patch
 
 pytestmark = pytest.mark.integration
@@ -106,3 +110,32 @@ def test_sensitivity_names_each_load_bearing_condition(
     md = paths["markdown"].read_text()
     assert "| tz (undeclared) |" in md
     assert f"load-bearing `visible_cpus`: flipped at 1; tests: `{NAME}`" in md
+
+
+def test_cli_sensitivity_flags_an_undeclared_dependency(
+    stack: Settings, client: SandboxClient, tmp_path: Path
+) -> None:
+    task = condition_task(tmp_path, "tz", Conditions())
+    doc = json.loads((SWE / "task.json").read_text())
+    doc.update(
+        task_id=task.task_id,
+        test_command=task.test_command,
+        test_patch=task.test_patch.decode(),
+        test_files=list(task.test_files),
+        PASS_TO_PASS=list(task.pass_to_pass),
+        reference_patch=(SWE / "reference.patch").read_text(),
+    )
+    spec = tmp_path / "tz-task.json"
+    spec.write_text(json.dumps(doc))
+    out = tmp_path / "report"
+    preflight = subprocess.run(
+        [str(Path(sys.executable).parent / "sandman"), "preflight", str(spec), "--sensitivity",
+         "--job", JOB, "--out", str(out), "--cpu", "0.5", "--memory", "512Mi"],
+        cwd=REPO, env=_env(stack), capture_output=True, text=True, timeout=900, check=False,
+    )  # fmt: skip
+    assert preflight.returncode == 1, preflight.stdout + preflight.stderr  # flagged, not ok
+    assert "load_bearing=tz undeclared_dependency=tz" in preflight.stdout, preflight.stdout
+    report = json.loads((out / "preflight.json").read_text())
+    (entry,) = report["tasks"]
+    assert entry["status"] == "ok" and not entry["excluded"]
+    assert report["meta"]["sensitivity"] is True
