@@ -36,7 +36,9 @@ SandmanError                                                  retryable? (T/P)
 │   ├── GuardMissing                                          P  egress-denied create without its policy
 │   ├── GradingSandboxRejected              (grading.grade)   T  dirty or reused grading sandbox: take another
 │   ├── ProbeFailed                         (grading.probe)   T  the run-conditions probe did not answer
-│   └── ProbeContradiction                  (grading.probe)   P  the pod contradicts the task's conditions
+│   ├── ProbeContradiction                  (grading.probe)   P  the pod contradicts the task's conditions
+│   ├── VerifierSetupFailed                 (grading.harbor)  T  /tests or /logs/verifier not made fresh
+│   └── VerifierUserUnavailable             (grading.harbor)  P  the sandbox cannot run test.sh as its user
 ├── TaskError                               (grading.grade)   P  the task itself is broken
 ├── PatchExtractionError                    (grading.patch)   P  the rollout repository yields no patch
 ├── IllegalTransition(RuntimeError)                           P  a ledger state jump the state machine forbids

@@ -13,8 +13,9 @@ from broker.wire.errors import raise_payload_error
 pytestmark = pytest.mark.unit
 
 # Modules that define errors of their own (drawn in the tree's docstring).
-for _module in ("broker.grading.grade", "broker.grading.patch", "broker.grading.probe",
-                "broker.grading.spec", "broker.ownership.leaks"):  # fmt: skip
+for _module in ("broker.grading.grade", "broker.grading.harbor", "broker.grading.patch",
+                "broker.grading.probe", "broker.grading.spec",
+                "broker.ownership.leaks"):  # fmt: skip
     importlib.import_module(_module)
 
 GROUPS = {SandmanError, TemporaryError, PermanentError, errors.InfrastructureError,
