@@ -13,6 +13,7 @@ SandmanError                                                  retryable? (T/P)
 ├── ConfigError(ValueError)                                   P  bad settings or arguments
 ├── InvalidRequest(ValueError)                                P  malformed input; nothing was created
 │   ├── UnknownJob(LookupError)                               P
+│   ├── EgressNotPermitted                                    P  a request allowing egress its job denies
 │   ├── ImageNotFound(LookupError)          (images)          P  the image ref is not in the local store
 │   ├── ImageInvalid                        (images)          P  an archive or layer the store refuses
 │   └── TaskSpecError                       (grading.spec)    P  a task file that cannot be graded
@@ -99,6 +100,13 @@ class InvalidRequest(PermanentError, ValueError):
 
     code = "invalid_request"
     field: str | None = None
+
+
+class EgressNotPermitted(InvalidRequest):
+    """A request asked to allow egress under a job that denies it: a sandbox may narrow
+    its job's egress policy, never widen it."""
+
+    code = "egress_not_permitted"
 
 
 class UnknownJob(InvalidRequest, LookupError):

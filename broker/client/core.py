@@ -51,6 +51,7 @@ ACQUIRE_DEFAULTS: dict[str, Any] = {
     "workdir": "/",
     "env": None,
     "visible_cpus": None,
+    "egress": None,
 }
 ACQUIRE_ARGS = frozenset({"image", "job", *ACQUIRE_DEFAULTS})
 
@@ -141,6 +142,7 @@ def warm_eligible(request: dict[str, Any]) -> bool:
     them (a grading sandbox without its PYTHONHASHSEED or TZ, a rollout in another cwd)."""
     return (
         request.get("visible_cpus") is None
+        and request.get("egress") is None  # warm pods follow the job's policy
         and not request.get("env")
         and request.get("workdir", ACQUIRE_DEFAULTS["workdir"]) == ACQUIRE_DEFAULTS["workdir"]
     )

@@ -211,7 +211,8 @@ class SandboxClient(ClientBase):
         """Acquire a sandbox the caller must ``release()`` (prefer ``acquire``).
 
         Arguments: image, job (required); cpu, memory, timeout, role, image_digest,
-        base_commit, workdir, env, visible_cpus (see ``broker.client.core.ACQUIRE_DEFAULTS``).
+        base_commit, workdir, env, visible_cpus, egress (see
+        ``broker.client.core.ACQUIRE_DEFAULTS``).
         """
         request = core.new_request(self.owner, **kwargs)
         sandbox = self._claim_warm(request)

@@ -154,6 +154,7 @@ class Grader:
             role="grading",
             timeout_s=self.config.acquire_timeout_s,
             visible_cpus=c.visible_cpus,
+            egress={"denied": "deny", "allowed": "allow"}.get(c.egress or ""),
         )
 
     def timeout_for(self, task: TaskSpec) -> float:

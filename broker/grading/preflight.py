@@ -25,7 +25,7 @@ from broker.grading import harbor
 from broker.grading.grade import Grader
 from broker.grading.patch import ExtractedPatch, extract_patch
 from broker.grading.results import GradeResult, Verdict
-from broker.grading.sensitivity import EgressSupport, analyse, no_per_sandbox_egress
+from broker.grading.sensitivity import EgressSupport, analyse, try_egress
 from broker.grading.spec import TaskSpec
 
 log = logging.getLogger(__name__)
@@ -93,7 +93,7 @@ def classify(reference: GradeResult, empty: GradeResult) -> str:
 @dataclass(frozen=True)
 class PreflightOptions:
     sensitivity: bool = False  # also grade the reference under perturbed conditions
-    egress: EgressSupport = no_per_sandbox_egress  # can a grading sandbox get that egress?
+    egress: EgressSupport = try_egress  # None: try that egress; else why it cannot be had
 
 
 def preflight_task(

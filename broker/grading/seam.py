@@ -41,6 +41,9 @@ class SandboxRequest:
     role: str = "grading"
     timeout_s: float = 600.0
     visible_cpus: int | None = None  # delivered: execd pins every command to this many
+    # The task's declared egress as the sandbox's own policy ("deny"/"allow"; None: the
+    # job's): delivered and guarded by the broker, then checked by the probe.
+    egress: str | None = None
 
 
 Acquire = Callable[[SandboxRequest], AbstractContextManager[GradingSandbox]]

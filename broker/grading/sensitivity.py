@@ -9,8 +9,12 @@ one condition at a time (the others as declared):
 - ``pythonhashseed``: other seeds, including unset (``random``);
 - ``tz``: a zone with a non-zero offset (the POSIX TZ ``IST-5:30`` needs no zone data);
 - ``visible_cpus``: one visible CPU (a declared ``min_cpus`` is dropped for that run);
-- ``egress``: the opposite policy, only where the grading sandbox can be given it
-  (``EgressSupport``); otherwise ``not_tested`` with the reason.
+- ``egress``: the opposite policy as the grading sandbox's own (``SandboxRequest.egress``),
+  where it can be given: a caller that knows it cannot says so up front
+  (``EgressSupport``); otherwise the broker decides, and a sandbox it refuses (no egress
+  guard on the backend: ``guard_missing``; a job that denies egress:
+  ``egress_not_permitted``) or that does not get it (the probe contradicts it) makes the
+  run ``not_tested`` with the reason, never a flip.
 
 A condition is load-bearing when a perturbation flips the reference's verdict
 (``infra_error`` runs never count as a flip). A load-bearing condition the task did not
@@ -32,16 +36,16 @@ OTHER_TZ = "IST-5:30"  # UTC+05:30, POSIX: no zone data needed
 FALLBACK_TZ = "UTC"  # for a task that declares OTHER_TZ itself
 KEYS = ("pythonhashseed", "tz", "visible_cpus", "egress")
 
-# Given the egress state to test ("allowed"/"denied"), None when the grading sandbox can
-# be given it, else the reason it cannot.
+# Given the egress state to test ("allowed"/"denied"), None to try it, else the reason
+# it cannot be given.
 EgressSupport = Callable[[str], str | None]
+# A perturbed egress run that ends in one of these was not given that egress.
+EGRESS_REFUSALS = frozenset({"guard_missing", "egress_not_permitted", "probe_contradiction"})
 
 
-def no_per_sandbox_egress(_state: str) -> str | None:
-    return (
-        "grading sandboxes take the job's egress policy (no per-sandbox egress yet), "
-        "and the local backend cannot deny egress"
-    )
+def try_egress(_state: str) -> str | None:
+    """Ask the broker for it: its guard decides (see ``EGRESS_REFUSALS``)."""
+    return None
 
 
 @dataclass(frozen=True)
@@ -113,7 +117,7 @@ def analyse(
     task: TaskSpec,
     reference: GradeResult,
     grade: Callable[[TaskSpec], GradeResult],
-    egress: EgressSupport = no_per_sandbox_egress,
+    egress: EgressSupport = try_egress,
 ) -> Sensitivity:
     """Grade the reference under each perturbation (``grade`` grades it for a spec)."""
     observed = ((reference.probe or {}).get("observed") or {}).get("egress") or {}
@@ -123,6 +127,10 @@ def analyse(
             runs.append(SensitivityRun(p.key, p.value, "not_tested", reason=p.reason))
             continue
         result = grade(replace(task, conditions=p.conditions))
+        if p.key == "egress" and result.infra_kind in EGRESS_REFUSALS:
+            why = f"the grading sandbox was not given egress {p.value}: {result.reason}"
+            runs.append(SensitivityRun(p.key, p.value, "not_tested", reason=why[:1000]))
+            continue
         if result.verdict is Verdict.INFRA_ERROR:
             runs.append(
                 SensitivityRun(p.key, p.value, "infra_error", "infra_error", [], result.reason)

@@ -29,6 +29,7 @@ from broker.errors import (
     AcquireTimeout,
     AtCapacity,
     CreateFailed,
+    EgressNotPermitted,
     ForeignPod,
     GuardMissing,
     InvalidRequest,
@@ -127,7 +128,7 @@ class Provider:
                 token_hash=store.hash_token(token),
                 # The creating lease bounds how long a dead worker can hold the row.
                 lease_expires_at=utcnow() + dt.timedelta(seconds=job.readiness_budget_s + margin),
-                egress_denied=job.egress != "allow",
+                egress_denied=sandbox_egress_denied(job, spec.egress),
                 actor=self.actor,
             )
             result = row.id, token
@@ -535,3 +536,19 @@ class Provider:
                 actor=self.actor,
                 detail=dict(detail),
             )
+
+
+def sandbox_egress_denied(job: Job, requested: str | None) -> bool:
+    """A sandbox's egress: the job's policy unless the request narrows it (``deny``).
+
+    ``allow`` under a job that denies (or allow-lists) egress is refused before any row
+    is written: a trainer cannot open a sandbox its operator closed. A denied sandbox is
+    guarded like a denying job's pods (``_ensure_guards``): a backend without the guard
+    refuses the create (GuardMissing) instead of running it open."""
+    job_denies = job.egress != "allow"
+    if requested == "allow" and job_denies:
+        raise EgressNotPermitted(
+            f"job {job.name} {'denies' if job.egress == 'deny' else 'allow-lists'} egress; "
+            "a sandbox may narrow its job's egress policy, never widen it"
+        )
+    return job_denies or requested == "deny"

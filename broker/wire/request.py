@@ -28,6 +28,7 @@ from broker.wire.roles import Role
 
 MAX_TIMEOUT_S = 24 * 3600.0
 MAX_VISIBLE_CPUS = 1024
+SANDBOX_EGRESS = frozenset({None, "allow", "deny"})
 
 
 def new_request_id() -> str:
@@ -58,6 +59,10 @@ class AcquireRequest:
     deadline: float | None = None
     pool_key: str | None = None
     visible_cpus: int | None = None  # execd pins every command to this many CPUs
+    # This sandbox's own egress: "deny" (guarded like a denying job's pods) or "allow"
+    # (only under a job that allows egress: a request never widens the job's policy);
+    # None: the job's policy.
+    egress: str | None = None
 
     def __post_init__(self) -> None:
         v.check_text("job", self.job, optional=False, max_len=63)
@@ -80,6 +85,12 @@ class AcquireRequest:
         v.check_text("pool_key", self.pool_key, optional=True, max_len=64)
         if self.visible_cpus is not None:
             v.check_int_range("visible_cpus", self.visible_cpus, 1, MAX_VISIBLE_CPUS)
+        if self.egress not in SANDBOX_EGRESS:
+            raise InvalidRequest(
+                f"egress must be one of {sorted(e for e in SANDBOX_EGRESS if e)} or None, "
+                f"not {self.egress!r}",
+                field="egress",
+            )
 
     # -- the two doors ---------------------------------------------------------------------
 
@@ -101,6 +112,7 @@ class AcquireRequest:
         request_id: str | None = None,
         pool_key: str | None = None,
         visible_cpus: int | None = None,
+        egress: str | None = None,
     ) -> AcquireRequest:
         """From a trainer's arguments: human units, a timeout instead of a deadline."""
         if (
@@ -130,6 +142,7 @@ class AcquireRequest:
             deadline=now + timeout,
             pool_key=pool_key,
             visible_cpus=visible_cpus,
+            egress=egress,
         )
 
     @classmethod
@@ -156,6 +169,7 @@ class AcquireRequest:
             enqueued_at=time.time() if enqueued is None else enqueued,
             deadline=data.get("deadline"),
             visible_cpus=data.get("visible_cpus"),
+            egress=data.get("egress"),
         )
 
     def to_wire(self) -> dict[str, Any]:
@@ -175,6 +189,7 @@ class AcquireRequest:
             "enqueued_at": self.enqueued_at,
             "deadline": self.deadline,
             "visible_cpus": self.visible_cpus,
+            "egress": self.egress,
         }
 
     def sandbox_env(self) -> dict[str, str]:

@@ -254,3 +254,46 @@ def test_visible_cpus_travel_to_execd_and_skip_warm_pools() -> None:
     assert not core.warm_eligible(core.new_request("me", image="i", job="j", env={"TZ": "UTC"}))
     assert not core.warm_eligible(core.new_request("me", image="i", job="j", workdir="/repo"))
     assert core.warm_eligible(core.new_request("me", image="i", job="j", env={}, workdir="/"))
+
+
+def test_a_sandbox_egress_crosses_the_queue_and_skips_warm_pools() -> None:
+    from broker.client import core
+
+    for egress in ("deny", "allow", None):
+        request = AcquireRequest.new(image="python:3.12", job="j", egress=egress)
+        assert AcquireRequest.parse(request.to_wire()) == request
+        assert request.egress == egress
+    for bad in ("denied", "", "DENY", 1, True):
+        with pytest.raises(InvalidRequest) as info:
+            AcquireRequest.parse(_message(egress=bad))
+        assert info.value.field == "egress"
+    assert not core.warm_eligible(core.new_request("me", image="i", job="j", egress="deny"))
+    assert not core.warm_eligible(core.new_request("me", image="i", job="j", egress="allow"))
+
+
+@pytest.mark.parametrize(
+    ("job_egress", "requested", "denied"),
+    [
+        ("allow", None, False),
+        ("allow", "allow", False),
+        ("allow", "deny", True),  # narrowed: guarded like a denying job's pods
+        ("deny", None, True),
+        ("deny", "deny", True),
+        ("allowlist", None, True),
+        ("deny", "allow", None),  # widening: refused
+        ("allowlist", "allow", None),
+    ],
+)
+def test_a_request_narrows_its_jobs_egress_never_widens_it(
+    job_egress: str, requested: str | None, denied: bool | None
+) -> None:
+    from broker.errors import EgressNotPermitted
+    from broker.ledger.models import Job
+    from broker.ownership.provider import sandbox_egress_denied
+
+    job = Job(name="j", egress=job_egress)
+    if denied is None:
+        with pytest.raises(EgressNotPermitted, match="never widen"):
+            sandbox_egress_denied(job, requested)
+    else:
+        assert sandbox_egress_denied(job, requested) is denied

@@ -143,6 +143,18 @@ def test_at_least_conditions_size_the_request() -> None:
     assert (grader.request_for(less).cpu, grader.request_for(less).memory_b) == (1.0, 2 << 30)
 
 
+@pytest.mark.parametrize(
+    ("declared", "asked"), [("denied", "deny"), ("allowed", "allow"), (None, None)]
+)
+def test_a_tasks_egress_is_the_grading_sandboxs_own(
+    declared: str | None, asked: str | None
+) -> None:
+    """Delivered per sandbox (the broker guards a denied one), then checked by the probe."""
+    grader = Grader(FakeAcquire({}), GradeConfig())
+    spec = dataclasses.replace(task(), conditions=Conditions(egress=declared))
+    assert grader.request_for(spec).egress == asked
+
+
 def test_probe_unreadable_is_reported_not_passed() -> None:
     obs = observed(memory={"readable": False, "error": "no cgroup"}, cpu={"visible": None})
     checks = statuses(decide(DECLARED, obs, grader_timeout_s=600))

@@ -13,13 +13,17 @@ import pytest
 
 from broker.grading.probe import decide, posix_offset_s
 from broker.grading.results import GradeResult, Verdict
-from broker.grading.sensitivity import analyse, no_per_sandbox_egress, perturbations
+from broker.grading.sensitivity import analyse, perturbations, try_egress
 from broker.grading.spec import Conditions, TaskSpec, load_task
 
 pytestmark = pytest.mark.unit
 
 SWE = Path(__file__).resolve().parents[3] / "deploy" / "images" / "swe-task"
 TEST = "tests.test_stats.MedianTests.test_median_even"
+
+
+def refuse(_state: str) -> str | None:
+    return "this runner cannot change egress"
 
 
 def _task(**conditions: object) -> TaskSpec:
@@ -39,7 +43,7 @@ def _result(task: TaskSpec, ok: bool, egress: str = "denied") -> GradeResult:
 def _keys(task: TaskSpec) -> list[tuple[str, str, bool]]:
     return [
         (p.key, p.value, p.conditions is not None)
-        for p in perturbations(task.conditions, "denied", no_per_sandbox_egress)
+        for p in perturbations(task.conditions, "denied", refuse)
     ]
 
 
@@ -60,7 +64,7 @@ def test_perturbations_for_undeclared_and_declared_conditions() -> None:
         ("tz", "UTC", True),
         ("visible_cpus", "1", False),  # declared 1 already
     ]
-    one = perturbations(Conditions(visible_cpus=2, min_cpus=2.0), None, no_per_sandbox_egress)
+    one = perturbations(Conditions(visible_cpus=2, min_cpus=2.0), None, refuse)
     cpus = next(p for p in one if p.key == "visible_cpus")
     assert cpus.conditions == Conditions(visible_cpus=1)  # min_cpus would contradict it
     egress = next(p for p in one if p.key == "egress")
@@ -72,7 +76,7 @@ def test_egress_is_perturbed_only_where_the_sandbox_can_get_it() -> None:
     assert [(p.value, p.conditions) for p in granted if p.key == "egress"] == [
         ("allowed", Conditions(egress="allowed"))
     ]
-    refused = perturbations(Conditions(egress="denied"), None, no_per_sandbox_egress)
+    refused = perturbations(Conditions(egress="denied"), None, refuse)
     (egress,) = [p for p in refused if p.key == "egress"]
     assert egress.conditions is None and "egress" in egress.reason
 
@@ -96,7 +100,7 @@ def test_flipped_verdicts_make_a_condition_load_bearing(
         graded.append(spec.conditions)
         return _result(spec, depends(spec.conditions))
 
-    found = analyse(task, _result(task, depends(task.conditions)), grade)
+    found = analyse(task, _result(task, depends(task.conditions)), grade, refuse)
     assert found.load_bearing == load_bearing
     assert found.undeclared_dependency == undeclared
     assert found.flipped_tests == {k: [TEST] for k in load_bearing}
@@ -105,15 +109,43 @@ def test_flipped_verdicts_make_a_condition_load_bearing(
     assert ("egress", "not_tested") in statuses
 
 
+@pytest.mark.parametrize("kind", ["guard_missing", "egress_not_permitted", "probe_contradiction"])
+def test_egress_the_broker_cannot_give_is_not_tested(kind: str) -> None:
+    task = _task(egress="denied")
+
+    def grade(spec: TaskSpec) -> GradeResult:
+        if spec.conditions.egress == "allowed":
+            return GradeResult(spec.task_id, Verdict.INFRA_ERROR, f"infra: {kind}", infra_kind=kind)
+        return _result(spec, True)
+
+    found = analyse(task, _result(task, True), grade, try_egress)
+    (egress,) = [r for r in found.runs if r.key == "egress"]
+    assert (egress.value, egress.status) == ("allowed", "not_tested")
+    assert kind in egress.reason
+    assert found.load_bearing == []
+
+
+def test_egress_that_flips_the_reference_is_load_bearing() -> None:
+    task = _task()  # undeclared; the probe observed egress denied
+
+    def grade(spec: TaskSpec) -> GradeResult:
+        return _result(spec, spec.conditions.egress != "allowed")  # a test that needs no network
+
+    found = analyse(task, _result(task, True), grade, try_egress)
+    assert found.load_bearing == ["egress"] and found.undeclared_dependency == ["egress"]
+
+
 def test_infra_errors_are_not_flips() -> None:
     task = _task(pythonhashseed="0")
 
     def grade(spec: TaskSpec) -> GradeResult:
-        return GradeResult(spec.task_id, Verdict.INFRA_ERROR, "infrastructure: sandbox_lost")
+        return GradeResult(
+            spec.task_id, Verdict.INFRA_ERROR, "infrastructure: lost", infra_kind="sandbox_lost"
+        )
 
     found = analyse(task, _result(task, True), grade)
     assert found.load_bearing == []
-    assert {r.status for r in found.runs} == {"infra_error", "not_tested"}
+    assert {r.status for r in found.runs} == {"infra_error"}  # egress included: not a refusal
 
 
 @pytest.mark.parametrize(
