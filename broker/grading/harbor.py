@@ -158,6 +158,15 @@ class _Loader:
                 "a git diff against it",
             )
             return None
+        gpus = self.environment.get("gpus", 0)
+        if gpus:
+            self.err("task.toml [environment] gpus", f"is {gpus!r}: Sandman has no GPU sandboxes")
+        if "environment" in self.verifier:
+            self.err(
+                "task.toml [verifier.environment]",
+                "a separate verifier image is not supported: the verifier runs in a fresh "
+                "sandbox of [environment] docker_image",
+            )
         package = self.config.get("task") or {}
         name = package.get("name") if isinstance(package, dict) else None
         doc: dict[str, Any] = {

@@ -86,6 +86,15 @@ def test_every_problem_is_named_in_task_toml_terms(tmp_path: Path) -> None:
     assert "templates" in issues["task.toml [verifier.env] KEY"]
 
 
+def test_unsupported_harbor_features_are_refused(tmp_path: Path) -> None:
+    toml = (EVEN / "task.toml").read_text()
+    toml = toml.replace("cpus = 1", "cpus = 1\ngpus = 1")
+    toml += '\n[verifier.environment]\ndocker_image = "verifier:v1"\n'
+    issues = _issues(_copy(tmp_path, toml))
+    assert "no GPU" in issues["task.toml [environment] gpus"]
+    assert "not supported" in issues["task.toml [verifier.environment]"]
+
+
 def test_missing_base_commit_is_explained(tmp_path: Path) -> None:
     root = _copy(tmp_path, '[environment]\ndocker_image = "localhost/x:v1"\n')
     assert "git diff" in _issues(root)["task.toml [metadata.sandman] base_commit"]
