@@ -167,12 +167,19 @@ class _Loader:
                 "a separate verifier image is not supported: the verifier runs in a fresh "
                 "sandbox of [environment] docker_image",
             )
+        repo_path = self.sandman.get("repo_path", DEFAULT_REPO_PATH)
+        for staged in (TESTS_DIR, SOLUTION_DIR, "/logs"):
+            if isinstance(repo_path, str) and (repo_path + "/").startswith(staged + "/"):
+                self.err(
+                    "task.toml [metadata.sandman] repo_path",
+                    f"{repo_path!r} is inside {staged}, which the grader makes anew",
+                )
         package = self.config.get("task") or {}
         name = package.get("name") if isinstance(package, dict) else None
         doc: dict[str, Any] = {
             "task_id": name or self.root.name,
             "image": image,
-            "repo_path": self.sandman.get("repo_path", DEFAULT_REPO_PATH),
+            "repo_path": repo_path,
             "test_command": f"bash {TESTS_DIR}/test.sh",
             "FAIL_TO_PASS": [f"{TESTS_DIR}/test.sh"],  # the verifier is the one test
             "test_files": [],

@@ -95,6 +95,16 @@ def test_unsupported_harbor_features_are_refused(tmp_path: Path) -> None:
     assert "not supported" in issues["task.toml [verifier.environment]"]
 
 
+@pytest.mark.parametrize("repo_path", ["/tests", "/logs/verifier/x", "/solution"])
+def test_the_repository_cannot_live_where_the_grader_stages(tmp_path: Path, repo_path: str) -> None:
+    toml = (
+        (EVEN / "task.toml")
+        .read_text()
+        .replace('repo_path = "/repo"', f'repo_path = "{repo_path}"')
+    )
+    assert "makes anew" in _issues(_copy(tmp_path, toml))["task.toml [metadata.sandman] repo_path"]
+
+
 def test_missing_base_commit_is_explained(tmp_path: Path) -> None:
     root = _copy(tmp_path, '[environment]\ndocker_image = "localhost/x:v1"\n')
     assert "git diff" in _issues(root)["task.toml [metadata.sandman] base_commit"]
