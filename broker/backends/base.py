@@ -90,7 +90,11 @@ class PodInfo:
     address: str | None = None  # host:port where execd answers
     image_pull_s: float | None = None
     start_s: float | None = None
+    # Whether this start had to fetch its image (None: the backend cannot tell, e.g. a
+    # simulated node), and how long that took when it did.
+    pulled: bool | None = None
     reason: str | None = None  # e.g. ErrImageNeverPull, CrashLoopBackOff
+    detail: str | None = None  # the node's words for ``reason`` (e.g. why a pull failed)
 
     @property
     def nonce(self) -> str | None:
@@ -105,6 +109,12 @@ class PodInfo:
         """A pod that will never become Ready on its own."""
         return self.phase in ("Failed", "Succeeded") or self.reason in FATAL_REASONS
 
+
+# The node cannot fetch the image: ImagePullFailed at once (kubelet's back-off would only
+# repeat the same failure until the readiness budget runs out).
+IMAGE_PULL_REASONS = frozenset(
+    {"ErrImageNeverPull", "InvalidImageName", "ImagePullBackOff", "ErrImagePull"}
+)
 
 FATAL_REASONS = frozenset(
     {
@@ -132,9 +142,16 @@ class Backend(Protocol):
 
     def has_egress_guard(self, namespace: str, job: str) -> bool: ...
 
-    def check_image(self, image: str) -> None:
-        """Raise ImageNotFound when ``image`` cannot run here; called by the provider's
-        admission BEFORE the intent row is written, so a missing image leaves nothing."""
+    def resolve_image(self, image: str, digest: str | None) -> str | None:
+        """The manifest digest the sandbox will run (``digest``, when the request pinned
+        one, is checked, not trusted), or None when this backend cannot know it (an image
+        of a registry that is not configured: created by tag). Called by the provider's
+        admission BEFORE the intent row is written, so a missing image (ImageNotFound) or a
+        silent registry (RegistryUnavailable) leaves nothing behind."""
+
+    def pull_record(self, info: PodInfo) -> PodInfo:
+        """``info`` of a Ready pod with ``pulled``/``image_pull_s`` as the node recorded
+        them (whether this start fetched its image, and for how long)."""
 
     def create(self, spec: PodSpec) -> PodInfo:
         """Submit the pod. Raises KubeConflict when the name exists (read back then)."""

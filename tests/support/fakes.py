@@ -45,9 +45,13 @@ class FakeBackend:
     def has_egress_guard(self, namespace: str, job: str) -> bool:
         return (namespace, job) in self.guards
 
-    def check_image(self, image: str) -> None:
-        if image in self.missing_images:
+    def resolve_image(self, image: str, digest: str | None) -> str | None:
+        if image in self.missing_images or digest in self.missing_images:
             raise ImageNotFound(f"image {image} is not in the fake store")
+        return digest
+
+    def pull_record(self, info: PodInfo) -> PodInfo:
+        return info
 
     def add_pod(
         self, namespace: str, name: str, labels: dict[str, str], ready: bool = True

@@ -199,6 +199,17 @@ class Kube:
             if not token:
                 return items, version
 
+    def pod_events(self, namespace: str, name: str) -> list[dict[str, Any]]:
+        """The events the node and scheduler recorded for pod ``name`` (one read)."""
+        data = read_json(
+            "list events",
+            self.core.list_namespaced_event,
+            namespace,
+            field_selector=f"involvedObject.kind=Pod,involvedObject.name={name}",
+            limit=100,
+        )
+        return list(data.get("items") or [])
+
     def current_version(self, namespace: str, selector: str) -> str:
         """The resourceVersion a watch can start from, without listing every pod."""
         data = read_json(
