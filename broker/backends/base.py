@@ -11,7 +11,7 @@ from __future__ import annotations
 import datetime as dt
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 # Label keys (defined in broker.names), re-exported: the backends speak in labels.
 from broker.names import (
@@ -72,6 +72,18 @@ class PodSpec:
         if self.egress_denied:
             labels[LABEL_EGRESS] = "denied"
         return labels
+
+
+@dataclass(frozen=True)
+class PrePullInfo:
+    """One pre-pull the backend holds: which image for which job, and how far it got."""
+
+    name: str
+    job: str
+    image: str
+    desired: int  # nodes it should be on
+    ready: int  # nodes where the image is pulled and held
+    uid: str | None = None
 
 
 @dataclass(frozen=True)
@@ -148,6 +160,22 @@ class Backend(Protocol):
         of a registry that is not configured: created by tag). Called by the provider's
         admission BEFORE the intent row is written, so a missing image (ImageNotFound) or a
         silent registry (RegistryUnavailable) leaves nothing behind."""
+
+    def ensure_prepull(
+        self,
+        namespace: str,
+        job: str,
+        image: str,
+        node_selector: dict[str, str],
+        tolerations: list[dict[str, Any]],
+    ) -> str:
+        """Pull ``image`` (pinned) ahead onto the nodes the job's sandboxes may use, and
+        keep it there; idempotent. Returns the pre-pull's name."""
+
+    def prepulls(self, namespace: str) -> list[PrePullInfo]:
+        """This installation's pre-pulls."""
+
+    def remove_prepull(self, namespace: str, info: PrePullInfo) -> None: ...
 
     def pull_record(self, info: PodInfo) -> PodInfo:
         """``info`` of a Ready pod with ``pulled``/``image_pull_s`` as the node recorded

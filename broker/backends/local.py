@@ -44,7 +44,14 @@ from typing import Any
 
 from broker import failpoints
 from broker.backends import localprocs
-from broker.backends.base import LABEL_INSTALLATION, LABEL_NONCE, MANAGED_BY, PodInfo, PodSpec
+from broker.backends.base import (
+    LABEL_INSTALLATION,
+    LABEL_NONCE,
+    MANAGED_BY,
+    PodInfo,
+    PodSpec,
+    PrePullInfo,
+)
 from broker.backends.localports import PortLocks
 from broker.backends.localroot import SandboxRoot, host_python, image_python, overlay_works
 from broker.errors import GuardMissing, ImageInvalid, ImageNotFound, KubeConflict, KubeUnavailable
@@ -206,6 +213,30 @@ class LocalBackend:
             if not self.registry.serves(ref):
                 raise
             return self.registry.resolve(ref)
+
+    def ensure_prepull(
+        self,
+        namespace: str,
+        job: str,
+        image: str,
+        node_selector: dict[str, str],
+        tolerations: list[dict[str, Any]],
+    ) -> str:
+        """The one "node" is this machine: pull into the store and unpack, ahead."""
+        try:
+            digest = self.images.resolve(image)
+        except ImageNotFound:
+            if not self.registry.serves(image):
+                raise
+            digest = self.images.pull(self.registry, image).digest
+        self.images.rootfs(digest)
+        return f"local-{digest}"
+
+    def prepulls(self, namespace: str) -> list[PrePullInfo]:
+        return []  # nothing is held: the store keeps what it pulled until `image rm`
+
+    def remove_prepull(self, namespace: str, info: PrePullInfo) -> None:
+        return None
 
     def pull_record(self, info: PodInfo) -> PodInfo:
         seconds = self._pulls.pop(info.name, None)

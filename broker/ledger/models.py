@@ -69,6 +69,8 @@ class Job(Base):
     node_selector: Mapped[dict[str, str]] = mapped_column(JSON, default=dict)
     tolerations: Mapped[list[dict[str, Any]]] = mapped_column(JSON, default=list)
     warm_pools: Mapped[list[dict[str, Any]]] = mapped_column(JSON, default=list)
+    # Images pulled ahead onto the job's nodes (warm-pool images are, too): pools.prepull
+    hot_images: Mapped[list[str] | None] = mapped_column(JSON, default=list)
     reuse: Mapped[bool] = mapped_column(Boolean, default=False)
     max_reuses: Mapped[int] = mapped_column(Integer, default=8)
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)

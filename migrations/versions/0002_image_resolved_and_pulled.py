@@ -1,4 +1,4 @@
-"""sandboxes: the digest each pod runs, and whether its start pulled the image
+"""sandboxes: the digest each pod runs, whether its start pulled; jobs: hot images
 
 Revision ID: 0002
 Revises: 0001
@@ -19,8 +19,10 @@ depends_on: str | Sequence[str] | None = None
 def upgrade() -> None:
     op.add_column("sandboxes", sa.Column("image_resolved", sa.String(128), nullable=True))
     op.add_column("sandboxes", sa.Column("image_pulled", sa.Boolean(), nullable=True))
+    op.add_column("jobs", sa.Column("hot_images", sa.JSON(), nullable=True))
 
 
 def downgrade() -> None:
+    op.drop_column("jobs", "hot_images")
     op.drop_column("sandboxes", "image_pulled")
     op.drop_column("sandboxes", "image_resolved")

@@ -124,3 +124,50 @@ def test_a_manifest_whose_blob_is_gone_is_image_pull_failed(provider, sessions, 
     assert not provider.backend.list_installation(
         provider.settings.namespace, provider.settings.installation_id
     )
+
+
+def test_a_hot_image_is_pre_pulled_so_the_first_create_does_not_pull(provider, sessions, registry):
+    """The pre-pull reconciler holds a job's hot image on the real node (a DaemonSet,
+    no ledger row, invisible to the pod GC); the job's first create then finds it there.
+    Once the job no longer wants it, the DaemonSet goes."""
+    from broker.backends.kube.podspec import prepull_name
+    from broker.ownership.gc import run_gc
+    from broker.pools.prepull import PrePull
+    from tests.support.wait import wait_until
+
+    name = f"sandman-hot-{secrets.token_hex(3)}:v1"
+    digest = registry.push(_task_base_tarball(), name)
+    image = f"localhost/{name}"
+    namespace = provider.settings.namespace
+    with sessions.begin() as s:
+        store.ensure_job(s, "real-pull", hot_images=[image])
+    prepull = PrePull(provider.settings, sessions, provider.backend, None, lambda job: None)
+    sid = None
+    try:
+        counts = prepull.reconcile()
+        assert counts["created"] >= 1, counts
+        pinned = f"localhost/{name.split(':', maxsplit=1)[0]}@{digest}"
+        held = prepull_name(provider.settings.installation_id, "real-pull", pinned)
+
+        def pulled_everywhere():
+            mine = [p for p in provider.backend.prepulls(namespace) if p.name == held]
+            return mine and mine[0].desired >= 1 and mine[0].ready == mine[0].desired
+
+        wait_until(pulled_everywhere, timeout=300, what=f"pre-pull {held} ready")
+        report = run_gc(provider)
+        seen = report.unowned_pods + report.foreign_pods + report.late_pods
+        assert not [pod for pod in seen if pod.startswith(held)], report
+        sid, token = provider.intent(_request(image))
+        provider.create(sid, token)
+        with sessions() as s:
+            row = s.get(Sandbox, sid)
+            assert row.image_resolved == digest
+            assert row.image_pulled is False, "pre-pulled: the create found the image"
+    finally:
+        if sid is not None:
+            provider.release(sid)
+        with sessions.begin() as s:
+            store.ensure_job(s, "real-pull", hot_images=[])
+    after = prepull.reconcile()
+    assert after["removed"] >= 1
+    assert all(p.name != held for p in provider.backend.prepulls(namespace))

@@ -8,8 +8,9 @@ from __future__ import annotations
 import datetime as dt
 from collections import defaultdict
 from collections.abc import Iterator
+from typing import Any
 
-from broker.backends.base import PodInfo, PodSpec
+from broker.backends.base import PodInfo, PodSpec, PrePullInfo
 from broker.errors import (
     ImageNotFound,
     KubeConflict,
@@ -31,6 +32,7 @@ class FakeBackend:
         self.become_ready = True
         self.deny_guard_install = False
         self.missing_images: set[str] = set()
+        self.prepulled: dict[str, PrePullInfo] = {}
 
     def _fault(self, op: str) -> str | None:
         return self.faults[op].pop(0) if self.faults[op] else None
@@ -52,6 +54,24 @@ class FakeBackend:
 
     def pull_record(self, info: PodInfo) -> PodInfo:
         return info
+
+    def ensure_prepull(
+        self,
+        namespace: str,
+        job: str,
+        image: str,
+        node_selector: dict[str, str],
+        tolerations: list[dict[str, Any]],
+    ) -> str:
+        name = f"prepull-{job}-{image}"
+        self.prepulled[name] = PrePullInfo(name, job, image, desired=1, ready=1)
+        return name
+
+    def prepulls(self, namespace: str) -> list[PrePullInfo]:
+        return sorted(self.prepulled.values(), key=lambda p: p.name)
+
+    def remove_prepull(self, namespace: str, info: PrePullInfo) -> None:
+        self.prepulled.pop(info.name, None)
 
     def add_pod(
         self, namespace: str, name: str, labels: dict[str, str], ready: bool = True

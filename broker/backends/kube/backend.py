@@ -17,7 +17,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from broker.backends.base import LABEL_INSTALLATION, LABEL_NONCE, PodInfo, PodSpec
+from broker.backends.base import LABEL_INSTALLATION, LABEL_NONCE, PodInfo, PodSpec, PrePullInfo
 from broker.backends.kube import podspec
 from broker.backends.kube.api import Kube, load_api_client
 from broker.backends.kube.pulls import pull_from_events
@@ -31,6 +31,7 @@ from broker.errors import (
 )
 from broker.images import refs
 from broker.images.registry import RegistryClient
+from broker.names import LABEL_PREPULL, LABEL_PREPULL_JOB
 from broker.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -259,6 +260,49 @@ class KubeBackend:
         if not self.registry.serves(ref):
             return digest
         return self.registry.resolve(ref)
+
+    def ensure_prepull(
+        self,
+        namespace: str,
+        job: str,
+        image: str,
+        node_selector: dict[str, str],
+        tolerations: list[dict[str, Any]],
+    ) -> str:
+        name = podspec.prepull_name(self.installation, job, image)
+        with self._in_namespace(namespace, "get/create daemonsets"):
+            if self.kube.get_object("daemonset", namespace, name) is None:
+                body = podspec.prepull_daemonset(
+                    installation=self.installation,
+                    job=job,
+                    image=image,
+                    node_selector=node_selector,
+                    tolerations=tolerations,
+                    owner_uid=self._owner_uid(namespace, job),
+                )
+                with contextlib.suppress(KubeConflict):
+                    self.kube.create_object("daemonset", namespace, body)
+        return name
+
+    def prepulls(self, namespace: str) -> list[PrePullInfo]:
+        out = []
+        for item in self.kube.list_daemonsets(namespace, f"{LABEL_PREPULL}={self.installation}"):
+            meta, status = item.get("metadata") or {}, item.get("status") or {}
+            out.append(
+                PrePullInfo(
+                    name=str(meta.get("name")),
+                    job=str((meta.get("labels") or {}).get(LABEL_PREPULL_JOB, "")),
+                    image=str((meta.get("annotations") or {}).get("sandman.io/image", "")),
+                    desired=int(status.get("desiredNumberScheduled") or 0),
+                    ready=int(status.get("numberReady") or 0),
+                    uid=meta.get("uid"),
+                )
+            )
+        return sorted(out, key=lambda p: p.name)
+
+    def remove_prepull(self, namespace: str, info: PrePullInfo) -> None:
+        with contextlib.suppress(KubeNotFound):
+            self.kube.delete_daemonset(namespace, info.name, uid=info.uid)
 
     def pull_record(self, info: PodInfo) -> PodInfo:
         try:
