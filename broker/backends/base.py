@@ -75,6 +75,16 @@ class PodSpec:
 
 
 @dataclass(frozen=True)
+class PrePullSpec:
+    """An image (pinned) to hold on the nodes a job's sandboxes may land on."""
+
+    job: str
+    image: str
+    node_selector: dict[str, str] = field(default_factory=dict)
+    tolerations: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
 class PrePullInfo:
     """One pre-pull the backend holds: which image for which job, and how far it got."""
 
@@ -161,14 +171,7 @@ class Backend(Protocol):
         admission BEFORE the intent row is written, so a missing image (ImageNotFound) or a
         silent registry (RegistryUnavailable) leaves nothing behind."""
 
-    def ensure_prepull(
-        self,
-        namespace: str,
-        job: str,
-        image: str,
-        node_selector: dict[str, str],
-        tolerations: list[dict[str, Any]],
-    ) -> str:
+    def ensure_prepull(self, namespace: str, want: PrePullSpec) -> str:
         """Pull ``image`` (pinned) ahead onto the nodes the job's sandboxes may use, and
         keep it there; idempotent. Returns the pre-pull's name."""
 

@@ -51,6 +51,7 @@ from broker.backends.base import (
     PodInfo,
     PodSpec,
     PrePullInfo,
+    PrePullSpec,
 )
 from broker.backends.localports import PortLocks
 from broker.backends.localroot import SandboxRoot, host_python, image_python, overlay_works
@@ -214,21 +215,14 @@ class LocalBackend:
                 raise
             return self.registry.resolve(ref)
 
-    def ensure_prepull(
-        self,
-        namespace: str,
-        job: str,
-        image: str,
-        node_selector: dict[str, str],
-        tolerations: list[dict[str, Any]],
-    ) -> str:
+    def ensure_prepull(self, namespace: str, want: PrePullSpec) -> str:
         """The one "node" is this machine: pull into the store and unpack, ahead."""
         try:
-            digest = self.images.resolve(image)
+            digest = self.images.resolve(want.image)
         except ImageNotFound:
-            if not self.registry.serves(image):
+            if not self.registry.serves(want.image):
                 raise
-            digest = self.images.pull(self.registry, image).digest
+            digest = self.images.pull(self.registry, want.image).digest
         self.images.rootfs(digest)
         return f"local-{digest}"
 

@@ -18,12 +18,11 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from broker.backends.base import Backend
+from broker.backends.base import Backend, PrePullSpec
 from broker.errors import (
     AcquireTimeout,
     ImageInvalid,
@@ -41,14 +40,6 @@ log = logging.getLogger(__name__)
 PACE_WAIT_S = 30.0  # a pass gives a new pre-pull this long for a token, else next pass
 
 
-@dataclass(frozen=True)
-class Wanted:
-    job: str
-    image: str  # pinned to its digest when the registry is known
-    node_selector: dict[str, str]
-    tolerations: list[dict[str, Any]]
-
-
 @dataclass(eq=False)
 class PrePull:
     settings: Settings
@@ -57,9 +48,9 @@ class PrePull:
     pacer: Pacer | None
     limits: Callable[[Job], Limits]
 
-    def wanted(self) -> tuple[list[tuple[Wanted, Job]], int]:
+    def wanted(self) -> tuple[list[tuple[PrePullSpec, Job]], int]:
         """Every (job, pinned image) to hold, and how many images did not resolve."""
-        out: list[tuple[Wanted, Job]] = []
+        out: list[tuple[PrePullSpec, Job]] = []
         unresolved = 0
         with self.sessions() as session:
             jobs = list(session.scalars(select(Job)))
@@ -78,7 +69,7 @@ class PrePull:
                     unresolved += 1
                     continue
                 pinned = refs.pinned(image, resolved) if resolved else image
-                wanted = Wanted(
+                wanted = PrePullSpec(
                     job.name, pinned, dict(job.node_selector or {}), list(job.tolerations or [])
                 )
                 out.append((wanted, job))
@@ -96,9 +87,7 @@ class PrePull:
             if not self._paced(job):
                 continue
             try:
-                self.backend.ensure_prepull(
-                    namespace, item.job, item.image, item.node_selector, item.tolerations
-                )
+                self.backend.ensure_prepull(namespace, item)
                 counts["created"] += 1
             except (KubeError, ImageNotFound, ImageInvalid, RegistryUnavailable, OSError) as exc:
                 log.warning("pre-pull of %s for job %s failed: %s", item.image, item.job, exc)

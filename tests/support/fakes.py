@@ -8,9 +8,8 @@ from __future__ import annotations
 import datetime as dt
 from collections import defaultdict
 from collections.abc import Iterator
-from typing import Any
 
-from broker.backends.base import PodInfo, PodSpec, PrePullInfo
+from broker.backends.base import PodInfo, PodSpec, PrePullInfo, PrePullSpec
 from broker.errors import (
     ImageNotFound,
     KubeConflict,
@@ -55,16 +54,9 @@ class FakeBackend:
     def pull_record(self, info: PodInfo) -> PodInfo:
         return info
 
-    def ensure_prepull(
-        self,
-        namespace: str,
-        job: str,
-        image: str,
-        node_selector: dict[str, str],
-        tolerations: list[dict[str, Any]],
-    ) -> str:
-        name = f"prepull-{job}-{image}"
-        self.prepulled[name] = PrePullInfo(name, job, image, desired=1, ready=1)
+    def ensure_prepull(self, namespace: str, want: PrePullSpec) -> str:
+        name = f"prepull-{want.job}-{want.image}"
+        self.prepulled[name] = PrePullInfo(name, want.job, want.image, desired=1, ready=1)
         return name
 
     def prepulls(self, namespace: str) -> list[PrePullInfo]:

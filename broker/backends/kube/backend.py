@@ -17,7 +17,14 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from broker.backends.base import LABEL_INSTALLATION, LABEL_NONCE, PodInfo, PodSpec, PrePullInfo
+from broker.backends.base import (
+    LABEL_INSTALLATION,
+    LABEL_NONCE,
+    PodInfo,
+    PodSpec,
+    PrePullInfo,
+    PrePullSpec,
+)
 from broker.backends.kube import podspec
 from broker.backends.kube.api import Kube, load_api_client
 from broker.backends.kube.pulls import pull_from_events
@@ -261,24 +268,17 @@ class KubeBackend:
             return digest
         return self.registry.resolve(ref)
 
-    def ensure_prepull(
-        self,
-        namespace: str,
-        job: str,
-        image: str,
-        node_selector: dict[str, str],
-        tolerations: list[dict[str, Any]],
-    ) -> str:
-        name = podspec.prepull_name(self.installation, job, image)
+    def ensure_prepull(self, namespace: str, want: PrePullSpec) -> str:
+        name = podspec.prepull_name(self.installation, want.job, want.image)
         with self._in_namespace(namespace, "get/create daemonsets"):
             if self.kube.get_object("daemonset", namespace, name) is None:
                 body = podspec.prepull_daemonset(
                     installation=self.installation,
-                    job=job,
-                    image=image,
-                    node_selector=node_selector,
-                    tolerations=tolerations,
-                    owner_uid=self._owner_uid(namespace, job),
+                    job=want.job,
+                    image=want.image,
+                    node_selector=want.node_selector,
+                    tolerations=want.tolerations,
+                    owner_uid=self._owner_uid(namespace, want.job),
                 )
                 with contextlib.suppress(KubeConflict):
                     self.kube.create_object("daemonset", namespace, body)
