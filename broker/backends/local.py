@@ -193,6 +193,9 @@ class LocalBackend:
         # sandbox name -> seconds its create spent fetching the image (read once by
         # pull_record in this same process, right after the create)
         self._pulls: dict[str, float] = {}
+        # pre-pulls this process made (the store keeps the image; this only lets the
+        # reconciler see them held instead of pacing a pull again every pass)
+        self._held: dict[str, PrePullInfo] = {}
         self.host_root = host_root
 
     @staticmethod
@@ -224,13 +227,16 @@ class LocalBackend:
                 raise
             digest = self.images.pull(self.registry, want.image).digest
         self.images.rootfs(digest)
-        return f"local-{digest}"
+        name = f"local-{want.job}-{digest}"
+        self._held[name] = PrePullInfo(name, want.job, want.image, desired=1, ready=1)
+        return name
 
     def prepulls(self, namespace: str) -> list[PrePullInfo]:
-        return []  # nothing is held: the store keeps what it pulled until `image rm`
+        return sorted(self._held.values(), key=lambda p: p.name)
 
     def remove_prepull(self, namespace: str, info: PrePullInfo) -> None:
-        return None
+        """Forgets it; the image stays in the store until ``sandman image rm``."""
+        self._held.pop(info.name, None)
 
     def pull_record(self, info: PodInfo) -> PodInfo:
         seconds = self._pulls.pop(info.name, None)

@@ -24,7 +24,6 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from broker.backends.base import Backend, PrePullSpec
 from broker.errors import (
-    AcquireTimeout,
     ImageInvalid,
     ImageNotFound,
     KubeError,
@@ -37,7 +36,7 @@ from broker.pools.store import parse_pools
 from broker.settings import Settings
 
 log = logging.getLogger(__name__)
-PACE_WAIT_S = 30.0  # a pass gives a new pre-pull this long for a token, else next pass
+PACE_WAIT_S = 1.0  # a new pre-pull waits at most this long for a token, else next pass
 
 
 @dataclass(eq=False)
@@ -103,10 +102,14 @@ class PrePull:
         return counts
 
     def _paced(self, job: Job) -> bool:
+        """A create token for a new pre-pull, if one is due within PACE_WAIT_S; else the
+        next pass asks again. Never a long wait: the pass runs on the pool queue, and
+        trims and refills must not queue behind a pre-pull."""
         if self.pacer is None:
             return True
-        try:
-            self.pacer.take(self.limits(job), deadline=time.monotonic() + PACE_WAIT_S)
-        except AcquireTimeout:
-            return False  # the next pass asks again
+        wait = self.pacer.reserve(self.limits(job), max_wait=PACE_WAIT_S)
+        if wait is None:
+            return False
+        if wait > 0:
+            time.sleep(wait)
         return True
