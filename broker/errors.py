@@ -23,8 +23,10 @@ SandmanError                                                  retryable? (T/P)
 │   ├── AtCapacity                                            T  the job holds max_live live sandboxes
 │   ├── SandboxLost                                           P  the pod or execd went away mid-rollout
 │   ├── CreateFailed                                          P  the provider could not make a ready sandbox
-│   │   └── ForeignPod                                        P  a pod with our name is not ours (nonce or
-│   │                                                            installation differ): left untouched
+│   │   ├── ForeignPod                                        P  a pod with our name is not ours (nonce or
+│   │   │                                                        installation differ): left untouched
+│   │   └── ImagePullFailed                 (images)          P  the node could not pull the pinned image
+│   ├── RegistryUnavailable(ConnectionError) (images)         T  the registry did not answer a resolve
 │   ├── KubeError                                                a Kubernetes API call failed
 │   │   ├── KubeNotFound(LookupError)                         P  404
 │   │   ├── KubeConflict                                      P  409 (settled by read-back, not retry)
@@ -169,6 +171,22 @@ class ForeignPod(CreateFailed):
 
     pod_name: str = ""
     nonce: str | None = None
+
+
+class ImagePullFailed(CreateFailed):
+    """The node reported it cannot pull the pod's image (``ErrImagePull``,
+    ``ImagePullBackOff``, ``InvalidImageName``...): raised as soon as the node says so, not
+    after the readiness budget. ``reason`` is the node's reason, the message its words."""
+
+    code = "image_pull_failed"
+    reason: str = ""
+
+
+class RegistryUnavailable(InfrastructureError, TemporaryError, ConnectionError):
+    """The registry that serves an image did not answer a resolve (connection refused,
+    time-out, 5xx): nothing was created; the same acquire later can succeed."""
+
+    code = "registry_unavailable"
 
 
 class KubeError(InfrastructureError):

@@ -70,6 +70,11 @@ LABEL_SANDBOX = "sandman.io/sandbox"
 LABEL_NONCE = "sandman.io/nonce"
 LABEL_ROLE = "sandman.io/role"
 LABEL_EGRESS = "sandman.io/egress"  # "denied" when the job denies egress
+# On pre-pull DaemonSets and their pods, INSTEAD of the installation label: they are no
+# sandboxes (no nonce, no row), so the pod GC never lists them; the pre-pull reconciler
+# owns them (broker/pools/prepull.py).
+LABEL_PREPULL = "sandman.io/prepull-installation"
+LABEL_PREPULL_JOB = "sandman.io/prepull-job"
 # The sandbox env var execd reads to pin itself (and so every command) to N CPUs
 # (execd/cpus.py); set by the broker from a request's visible_cpus, never by a request.
 ENV_VISIBLE_CPUS = "SANDMAN_EXECD_VISIBLE_CPUS"

@@ -50,6 +50,10 @@ class Settings:
     installation_id: str = "sandman-local"
     backend: Backend = "local"
     kubeconfig: str = ""
+    # Registry hosts (as written in image refs) and the endpoints that serve them:
+    # "localhost=http://127.0.0.1:16500,docker.io=https://registry-1.docker.io". Images of
+    # listed hosts are resolved to a digest per acquire (broker/images/registry.py).
+    registries: str = ""
     namespace: str = "sandman-sandboxes"
     # Cluster-wide pacing shared by every worker (token bucket in Redis).
     create_rate: float = 20.0
@@ -99,6 +103,7 @@ class Settings:
             raise ConfigError("SANDMAN_CREATE_RATE must be > 0 and SANDMAN_CREATE_BURST >= 1")
         if self.max_reuses < 0:
             raise ConfigError("SANDMAN_MAX_REUSES must be >= 0")
+        parse_registries(self.registries)  # ConfigError now, not at the first acquire
         for name in ("embedded_pg_port", "embedded_redis_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ConfigError(
@@ -128,6 +133,19 @@ class Settings:
             else:
                 out[field.name] = str(value)
         return out
+
+
+def parse_registries(raw: str) -> dict[str, str]:
+    """``host=endpoint[,host=endpoint...]`` -> {host: endpoint} (SANDMAN_REGISTRIES);
+    ConfigError when an entry is not ``host=http(s)://netloc``."""
+    table: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in raw.split(","))):
+        host, sep, endpoint = item.partition("=")
+        url = urlsplit(endpoint.strip())
+        if not sep or not host.strip() or url.scheme not in ("http", "https") or not url.netloc:
+            raise ConfigError(f"SANDMAN_REGISTRIES entry {item!r} is not host=http(s)://endpoint")
+        table[host.strip()] = endpoint.strip().rstrip("/")
+    return table
 
 
 def redact_url(url: str) -> str:

@@ -10,8 +10,9 @@ from broker.ledger.models import Event, Leak, Sandbox
 
 SANDBOX_FIELDS = (
     "id", "job", "installation", "request_id", "nonce", "pod_name", "namespace", "backend",
-    "image", "image_digest", "base_commit", "cpu_m", "memory_b", "role", "state", "pool_key",
-    "owner", "pod_ip", "node_name", "address", "reuse_count", "create_attempts",
+    "image", "image_digest", "image_resolved", "image_pulled", "base_commit", "cpu_m",
+    "memory_b", "role", "state", "pool_key", "owner", "pod_ip", "node_name", "address",
+    "reuse_count", "create_attempts",
     "delete_attempts", "lease_expires_at", "requested_at", "creating_at", "ready_at",
     "acquired_at", "last_used_at", "releasing_at", "deleted_at", "failed_at", "abandoned_at",
     "enqueued_at", "acquire_latency_s", "create_to_ready_s", "image_pull_s", "start_s",

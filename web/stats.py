@@ -240,3 +240,43 @@ def pod_hours_by_job(session: Session, since: dt.datetime) -> list[tuple[str, fl
         {"since": since},
     )
     return [(job, max(0.0, float(h or 0.0))) for job, h in rows]
+
+
+@dataclass(frozen=True)
+class ImagePulls:
+    """Per image: how many starts were recorded, how many had to pull, and pull times."""
+
+    image: str
+    starts: int
+    pulls: int
+    pull_s_sum: float
+    pull_s_p50: float | None
+
+    @property
+    def pull_share(self) -> float:
+        return self.pulls / self.starts if self.starts else 0.0
+
+
+def image_pulls(session: Session, since: dt.datetime | None = None) -> list[ImagePulls]:
+    """Starts whose node said whether it pulled (``image_pulled`` set), grouped by image."""
+    rows = session.execute(
+        text(
+            "SELECT image, count(*),"
+            " count(*) FILTER (WHERE image_pulled),"
+            " coalesce(sum(image_pull_s) FILTER (WHERE image_pulled), 0),"
+            " percentile_cont(0.5) WITHIN GROUP (ORDER BY image_pull_s)"
+            "  FILTER (WHERE image_pulled)"
+            " FROM sandboxes WHERE image_pulled IS NOT NULL"
+            " AND (CAST(:since AS timestamptz) IS NULL OR ready_at >= :since)"
+            " GROUP BY image ORDER BY image LIMIT 100"
+        ),
+        {"since": since},
+    )
+    return [
+        ImagePulls(str(image), int(starts), int(pulls), float(total or 0), _float(p50))
+        for image, starts, pulls, total, p50 in rows
+    ]
+
+
+def _float(value: Any) -> float | None:
+    return None if value is None else float(value)

@@ -67,7 +67,8 @@ def pool_refill(sandbox_id: str) -> str:
 
 @app.task(name=Task.POOL_UPKEEP, acks_late=True)
 def pool_upkeep() -> dict[str, Any]:
-    return broker().pools.upkeep_all()
+    service = broker()
+    return {"pools": service.pools.upkeep_all(), "prepull": service.prepull.reconcile()}
 
 
 @app.task(name=Task.GC, acks_late=True)

@@ -43,6 +43,7 @@ from broker.ledger.states import State
 from broker.ownership.provider import Provider
 from broker.pacing import Limits, Pacer
 from broker.pools import reuse
+from broker.pools.prepull import PrePull
 from broker.pools.store import WarmStore, parse_pools
 from broker.pools.upkeep import REFILL_BUDGET_S, Enqueue, PoolUpkeep
 from broker.settings import Settings
@@ -134,6 +135,7 @@ class Broker:
         self.watcher = CancelWatcher(redis)
         self.enqueue: Enqueue = enqueue or (lambda name, args, queue: None)
         self.pools = PoolUpkeep(settings, sessions, self.provider, self.warm, self.enqueue)
+        self.prepull = PrePull(settings, sessions, self.provider.backend, self.pacer, self.limits)
         self.actor = actor
 
     # -- acquire ----------------------------------------------------------------------

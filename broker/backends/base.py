@@ -11,7 +11,7 @@ from __future__ import annotations
 import datetime as dt
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 # Label keys (defined in broker.names), re-exported: the backends speak in labels.
 from broker.names import (
@@ -75,6 +75,28 @@ class PodSpec:
 
 
 @dataclass(frozen=True)
+class PrePullSpec:
+    """An image (pinned) to hold on the nodes a job's sandboxes may land on."""
+
+    job: str
+    image: str
+    node_selector: dict[str, str] = field(default_factory=dict)
+    tolerations: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class PrePullInfo:
+    """One pre-pull the backend holds: which image for which job, and how far it got."""
+
+    name: str
+    job: str
+    image: str
+    desired: int  # nodes it should be on
+    ready: int  # nodes where the image is pulled and held
+    uid: str | None = None
+
+
+@dataclass(frozen=True)
 class PodInfo:
     """What exists: a read-back of one pod, enough to decide ownership and readiness."""
 
@@ -90,7 +112,11 @@ class PodInfo:
     address: str | None = None  # host:port where execd answers
     image_pull_s: float | None = None
     start_s: float | None = None
+    # Whether this start had to fetch its image (None: the backend cannot tell, e.g. a
+    # simulated node), and how long that took when it did.
+    pulled: bool | None = None
     reason: str | None = None  # e.g. ErrImageNeverPull, CrashLoopBackOff
+    detail: str | None = None  # the node's words for ``reason`` (e.g. why a pull failed)
 
     @property
     def nonce(self) -> str | None:
@@ -105,6 +131,12 @@ class PodInfo:
         """A pod that will never become Ready on its own."""
         return self.phase in ("Failed", "Succeeded") or self.reason in FATAL_REASONS
 
+
+# The node cannot fetch the image: ImagePullFailed at once (kubelet's back-off would only
+# repeat the same failure until the readiness budget runs out).
+IMAGE_PULL_REASONS = frozenset(
+    {"ErrImageNeverPull", "InvalidImageName", "ImagePullBackOff", "ErrImagePull"}
+)
 
 FATAL_REASONS = frozenset(
     {
@@ -132,9 +164,25 @@ class Backend(Protocol):
 
     def has_egress_guard(self, namespace: str, job: str) -> bool: ...
 
-    def check_image(self, image: str) -> None:
-        """Raise ImageNotFound when ``image`` cannot run here; called by the provider's
-        admission BEFORE the intent row is written, so a missing image leaves nothing."""
+    def resolve_image(self, image: str, digest: str | None) -> str | None:
+        """The manifest digest the sandbox will run (``digest``, when the request pinned
+        one, is checked, not trusted), or None when this backend cannot know it (an image
+        of a registry that is not configured: created by tag). Called by the provider's
+        admission BEFORE the intent row is written, so a missing image (ImageNotFound) or a
+        silent registry (RegistryUnavailable) leaves nothing behind."""
+
+    def ensure_prepull(self, namespace: str, want: PrePullSpec) -> str:
+        """Pull ``image`` (pinned) ahead onto the nodes the job's sandboxes may use, and
+        keep it there; idempotent. Returns the pre-pull's name."""
+
+    def prepulls(self, namespace: str) -> list[PrePullInfo]:
+        """This installation's pre-pulls."""
+
+    def remove_prepull(self, namespace: str, info: PrePullInfo) -> None: ...
+
+    def pull_record(self, info: PodInfo) -> PodInfo:
+        """``info`` of a Ready pod with ``pulled``/``image_pull_s`` as the node recorded
+        them (whether this start fetched its image, and for how long)."""
 
     def create(self, spec: PodSpec) -> PodInfo:
         """Submit the pod. Raises KubeConflict when the name exists (read back then)."""

@@ -8,7 +8,7 @@ Isolation chosen, and why:
   the host is visible but the repository's execd (read-only, /sandman/execd), /proc, a
   minimal /dev, a private /tmp, the workspace and, for an image without python3, the
   host interpreter execd runs on. An image missing from the store is ``ImageNotFound``
-  from ``check_image``, before any ledger row or process exists.
+  from ``resolve_image``, before any ledger row or process exists.
 - NOT a network namespace: execd must stay reachable from the broker and trainers on
   127.0.0.1:<port> in the host netns, and an unshared netns would cut it off. So the
   local backend cannot deny egress; it reports no egress guard and the provider
@@ -27,6 +27,7 @@ nonce and confirms by the same scan; the port lock names its sandbox and goes wi
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime as dt
 import fcntl
 import json
@@ -43,10 +44,20 @@ from typing import Any
 
 from broker import failpoints
 from broker.backends import localprocs
-from broker.backends.base import LABEL_INSTALLATION, LABEL_NONCE, MANAGED_BY, PodInfo, PodSpec
+from broker.backends.base import (
+    LABEL_INSTALLATION,
+    LABEL_NONCE,
+    MANAGED_BY,
+    PodInfo,
+    PodSpec,
+    PrePullInfo,
+    PrePullSpec,
+)
 from broker.backends.localports import PortLocks
 from broker.backends.localroot import SandboxRoot, host_python, image_python, overlay_works
 from broker.errors import GuardMissing, ImageInvalid, ImageNotFound, KubeConflict, KubeUnavailable
+from broker.images import refs
+from broker.images.registry import RegistryClient
 from broker.images.store import ImageStore
 from broker.settings import Settings
 
@@ -178,6 +189,13 @@ class LocalBackend:
         self.mark_root = self.mark_root_of(settings.state_dir)
         self.ports = PortLocks(self.root / ".ports", self._orphaned)
         self.images = ImageStore.at_cache(settings.cache_dir)
+        self.registry = RegistryClient.from_setting(settings.registries)
+        # sandbox name -> seconds its create spent fetching the image (read once by
+        # pull_record in this same process, right after the create)
+        self._pulls: dict[str, float] = {}
+        # pre-pulls this process made (the store keeps the image; this only lets the
+        # reconciler see them held instead of pacing a pull again every pass)
+        self._held: dict[str, PrePullInfo] = {}
         self.host_root = host_root
 
     @staticmethod
@@ -186,10 +204,47 @@ class LocalBackend:
         same in every process whatever its cwd or the symlinks on the way."""
         return (Path(state_dir) / "local-pods").resolve()
 
-    def check_image(self, image: str) -> None:
-        """ImageNotFound unless ``image`` (a ref or a digest) is in the local store."""
-        if not self.host_root:
-            self.images.resolve(image)
+    def resolve_image(self, image: str, digest: str | None) -> str | None:
+        """The local store's digest for ``image``; an image the store lacks but a
+        configured registry serves resolves there (HEAD) and is pulled by the create, as
+        a node pulls; anything else is ImageNotFound before any row exists."""
+        if self.host_root:
+            return None
+        ref = refs.pinned(image, digest) if digest else image
+        try:
+            return self.images.resolve(ref)
+        except ImageNotFound:
+            if not self.registry.serves(ref):
+                raise
+            return self.registry.resolve(ref)
+
+    def ensure_prepull(self, namespace: str, want: PrePullSpec) -> str:
+        """The one "node" is this machine: pull into the store and unpack, ahead."""
+        try:
+            digest = self.images.resolve(want.image)
+        except ImageNotFound:
+            if not self.registry.serves(want.image):
+                raise
+            digest = self.images.pull(self.registry, want.image).digest
+        self.images.rootfs(digest)
+        name = f"local-{want.job}-{digest}"
+        self._held[name] = PrePullInfo(name, want.job, want.image, desired=1, ready=1)
+        return name
+
+    def prepulls(self, namespace: str) -> list[PrePullInfo]:
+        return sorted(self._held.values(), key=lambda p: p.name)
+
+    def remove_prepull(self, namespace: str, info: PrePullInfo) -> None:
+        """Forgets it; the image stays in the store until ``sandman image rm``."""
+        self._held.pop(info.name, None)
+
+    def pull_record(self, info: PodInfo) -> PodInfo:
+        seconds = self._pulls.pop(info.name, None)
+        return dataclasses.replace(
+            info,
+            pulled=seconds is not None,
+            image_pull_s=seconds if seconds is not None else info.image_pull_s,
+        )
 
     # -- guards: nothing cluster-side to install locally -------------------------------
 
@@ -218,7 +273,15 @@ class LocalBackend:
         settled to a delete."""
         if self.host_root:
             return None
-        digest = self.images.resolve(spec.image)
+        try:
+            digest = self.images.resolve(spec.image)
+        except ImageNotFound:
+            if not self.registry.serves(spec.image):
+                raise
+            started = time.monotonic()
+            digest = self.images.pull(self.registry, spec.image).digest
+            self.images.rootfs(digest)
+            self._pulls[spec.name] = time.monotonic() - started
         rootfs = self.images.rootfs(digest)
         return rootfs, [str(item) for item in self.images.config(digest).get("Env") or []]
 

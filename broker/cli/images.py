@@ -2,6 +2,7 @@
 
 docker save IMG | sandman image import -
 sandman image import deploy-built.tar --tag localhost/mine:1
+SANDMAN_REGISTRIES=localhost=http://127.0.0.1:16500 sandman image pull localhost/mine:1
 sandman image ls
 sandman image rm localhost/mine:1
 """
@@ -14,6 +15,7 @@ import click
 
 from broker.cli.common import settings_of
 from broker.errors import SandmanError
+from broker.images.registry import RegistryClient
 from broker.images.store import ImageStore, open_source
 
 
@@ -44,6 +46,25 @@ def register(group: click.Group) -> None:
                     click.echo(f"{item.ref}\t{item.digest}")
         except SandmanError as exc:
             raise click.ClickException(f"{type(exc).__name__}: {exc}") from exc
+
+    @image.command("pull")
+    @click.argument("refs", metavar="REF...", nargs=-1, required=True)
+    @click.option("--unpack", is_flag=True, help="Unpack now instead of at the first sandbox.")
+    @click.pass_context
+    def pull(ctx: click.Context, refs: tuple[str, ...], unpack: bool) -> None:
+        """Fetch images from their registry (SANDMAN_REGISTRIES) into the store."""
+        store = _store(ctx)
+        client = RegistryClient.from_setting(settings_of(ctx).registries)
+        try:
+            for ref in refs:
+                item = store.pull(client, ref)
+                if unpack:
+                    store.rootfs(item.digest)
+                click.echo(f"{item.ref}\t{item.digest}")
+        except SandmanError as exc:
+            raise click.ClickException(f"{type(exc).__name__}: {exc}") from exc
+        finally:
+            client.close()
 
     @image.command("ls")
     @click.option("--json", "as_json", is_flag=True, help="Print JSON.")

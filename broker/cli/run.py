@@ -160,6 +160,14 @@ def register(group: click.Group) -> None:
         metavar="allow|deny|CIDR[,CIDR...]",
         help="The job's egress policy: allow (default), deny, or deny except these CIDRs.",
     )
+    @click.option(
+        "--hot-image",
+        "hot_images",
+        multiple=True,
+        metavar="IMAGE",
+        help="Pull IMAGE ahead onto the job's nodes and keep it there (repeatable; "
+        "warm-pool images are pre-pulled anyway).",
+    )
     @click.pass_context
     def job_create(  # noqa: PLR0917 (click passes options positionally)
         ctx: click.Context,
@@ -174,6 +182,7 @@ def register(group: click.Group) -> None:
         lease_s: float | None,
         readiness_budget_s: float | None,
         egress: str | None,
+        hot_images: tuple[str, ...],
     ) -> None:
         """Create or update job NAME."""
         from broker.errors import SandmanError
@@ -197,6 +206,12 @@ def register(group: click.Group) -> None:
                 config["warm_pools"] = [parse_warm(w, settings.idle_timeout_s) for w in warm]
             if egress is not None:
                 config.update(parse_egress(egress))
+            if hot_images:
+                from broker.images import refs
+
+                for image in hot_images:
+                    refs.normalize(image)  # ImageInvalid for what is not a reference
+                config["hot_images"] = list(hot_images)
         except (ValueError, SandmanError) as exc:
             raise click.ClickException(str(exc)) from exc
         try:
@@ -217,6 +232,7 @@ def register(group: click.Group) -> None:
                             "reuse": row.reuse,
                             "egress": row.egress,
                             "egress_allow": row.egress_allow,
+                            "hot_images": row.hot_images,
                         }
                     )
                 )

@@ -44,3 +44,23 @@ def normalize(ref: str) -> str:
     if not _NAME_RE.match(path) or not _TAG_RE.match(tag) or not registry:
         raise ImageInvalid(f"not an image reference: {ref!r}")
     return f"{name}:{tag}"
+
+
+def split(ref: str) -> tuple[str, str, str]:
+    """``ref`` -> (registry host, repository, tag or digest) as the distribution API names
+    them: ``python:3.12`` -> ("docker.io", "library/python", "3.12"); a pinned digest wins
+    over the tag (``name:tag@sha256:...`` asks for exactly that content)."""
+    pinned = digest_of(ref)
+    name, tag = normalize(ref).rsplit(":", 1)
+    host, _, repository = name.partition("/")
+    return host, repository, pinned or tag
+
+
+def pinned(ref: str, digest: str) -> str:
+    """``ref`` pinned to ``digest`` as runtimes want it: ``name@sha256:...`` (the tag, which
+    no longer decides anything, is dropped; the name keeps the caller's spelling)."""
+    name = ref.split("@", 1)[0]
+    last = name.rsplit("/", 1)[-1]
+    if ":" in last:
+        name = name.rsplit(":", 1)[0]
+    return f"{name}@{digest}"

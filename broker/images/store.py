@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import io
 import json
 import os
 import secrets
@@ -35,6 +36,7 @@ from typing import IO, Any
 
 from broker.errors import ImageInvalid, ImageNotFound
 from broker.images import archive, refs
+from broker.images.registry import RegistryClient
 from broker.images.unpack import unpack
 
 
@@ -132,6 +134,9 @@ class ImageStore:
         """The manifest digest ``ref`` names here; ImageNotFound when it is not stored."""
         pinned = refs.digest_of(ref)
         if pinned is not None:
+            alias = self._refs().get(pinned)  # an index digest a pull narrowed to amd64
+            if alias is not None and self.blob_path(alias).exists():
+                return alias
             if not self.blob_path(pinned).exists():
                 raise ImageNotFound(f"image {ref} is not in the local store")
             return pinned
@@ -180,6 +185,39 @@ class ImageStore:
                 out += [self._stored(name, image.digest) for name in names]
             self._write_refs(table)
         return out
+
+    def pull(self, client: RegistryClient, ref: str) -> StoredImage:
+        """Fetch ``ref`` (its linux/amd64 image) from its registry into the store, by the
+        same rules as an import: every blob checked against its digest while it streams
+        in (never whole in memory), blobs already stored are not fetched again, and the
+        ref is recorded last, so a broken-off pull leaves no ref to half an image."""
+        if not client.serves(ref):
+            raise ImageNotFound(
+                f"no registry is configured for {ref} (SANDMAN_REGISTRIES=host=URL,...)"
+            )
+        self.root.mkdir(parents=True, exist_ok=True)
+        found = client.platform_manifest(ref)
+        manifest = found.json()
+        config = manifest.get("config") or {}
+        layers = manifest.get("layers")
+        if not isinstance(layers, list) or not config.get("digest"):
+            raise ImageInvalid(f"{ref}: a manifest without config or layers")
+        with _flock(self.root / ".lock"):
+            for desc in [config, *layers]:
+                digest = str(desc.get("digest"))
+                if self.blob_path(digest).exists():
+                    continue
+                with client.blob(ref, digest) as stream:
+                    self.put_blob(stream, digest)
+            self.put_blob(io.BytesIO(found.body), found.digest)
+            table = self._refs()
+            asked = refs.digest_of(ref)
+            name = found.digest if asked else refs.normalize(ref)
+            table[name] = found.digest
+            if asked and asked != found.digest:
+                table[asked] = found.digest  # the index digest the request pinned
+            self._write_refs(table)
+        return self._stored(name, found.digest)
 
     def _stored(self, ref: str, digest: str) -> StoredImage:
         try:

@@ -69,6 +69,8 @@ class Job(Base):
     node_selector: Mapped[dict[str, str]] = mapped_column(JSON, default=dict)
     tolerations: Mapped[list[dict[str, Any]]] = mapped_column(JSON, default=list)
     warm_pools: Mapped[list[dict[str, Any]]] = mapped_column(JSON, default=list)
+    # Images pulled ahead onto the job's nodes (warm-pool images are, too): pools.prepull
+    hot_images: Mapped[list[str] | None] = mapped_column(JSON, default=list)
     reuse: Mapped[bool] = mapped_column(Boolean, default=False)
     max_reuses: Mapped[int] = mapped_column(Integer, default=8)
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
@@ -97,7 +99,9 @@ class Sandbox(Base):
     namespace: Mapped[str] = mapped_column(String(63))
     backend: Mapped[str] = mapped_column(String(16), default="kubernetes")
     image: Mapped[str] = mapped_column(String(512))
-    image_digest: Mapped[str | None] = mapped_column(String(128))
+    image_digest: Mapped[str | None] = mapped_column(String(128))  # as the request pinned it
+    # The manifest digest the pod runs, resolved once at admission (None: created by tag).
+    image_resolved: Mapped[str | None] = mapped_column(String(128))
     base_commit: Mapped[str | None] = mapped_column(String(64))
     cpu_m: Mapped[int] = mapped_column(Integer)  # millicores, requests == limits
     memory_b: Mapped[int] = mapped_column(BigInteger)  # bytes, requests == limits
@@ -126,6 +130,7 @@ class Sandbox(Base):
     acquire_latency_s: Mapped[float | None] = mapped_column(Float)  # queue-inclusive
     create_to_ready_s: Mapped[float | None] = mapped_column(Float)
     image_pull_s: Mapped[float | None] = mapped_column(Float)
+    image_pulled: Mapped[bool | None] = mapped_column(Boolean)  # did this start fetch the image
     start_s: Mapped[float | None] = mapped_column(Float)
     last_error: Mapped[str | None] = mapped_column(Text)
     egress_denied: Mapped[bool] = mapped_column(Boolean, default=False)

@@ -101,6 +101,7 @@ def new_intent(
     lease_expires_at: dt.datetime | None = None,
     egress_denied: bool = False,
     actor: str = "broker",
+    image_resolved: str | None = None,
 ) -> Sandbox:
     """Add the intent row (state ``requested``) for ``spec`` with a fresh nonce; the
     caller commits.
@@ -121,6 +122,7 @@ def new_intent(
         token_hash=token_hash,
         lease_expires_at=lease_expires_at,
         egress_denied=egress_denied,
+        image_resolved=image_resolved,
         state=State.REQUESTED,
         requested_at=utcnow(),
         enqueued_at=spec.enqueued_utc,

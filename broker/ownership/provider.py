@@ -24,7 +24,7 @@ from dataclasses import KW_ONLY, dataclass, field
 from sqlalchemy.orm import Session, sessionmaker
 
 from broker import failpoints
-from broker.backends.base import Backend, PodInfo, PodSpec
+from broker.backends.base import IMAGE_PULL_REASONS, Backend, PodInfo, PodSpec
 from broker.errors import (
     AcquireTimeout,
     AtCapacity,
@@ -32,6 +32,7 @@ from broker.errors import (
     EgressNotPermitted,
     ForeignPod,
     GuardMissing,
+    ImagePullFailed,
     InvalidRequest,
     KubeConflict,
     KubeError,
@@ -40,6 +41,7 @@ from broker.errors import (
     KubeUnavailable,
     SandboxLost,
 )
+from broker.images import refs
 from broker.ledger import store
 from broker.ledger.models import Job, Sandbox, new_id, utcnow
 from broker.ledger.states import State
@@ -108,8 +110,13 @@ class Provider:
                 raise AcquireTimeout(
                     f"acquire {spec.request_id} was abandoned by its trainer while queued"
                 )
-            self.backend.check_image(spec.image_digest or spec.image)
             job = self.job(session, spec.job)
+            # Pods of simulated nodes never run their image: nothing to resolve.
+            resolved = (
+                spec.image_digest
+                if self._simulated(job)
+                else self.backend.resolve_image(spec.image, spec.image_digest)
+            )
             if enforce_cap and job.max_live:
                 live = store.count_live_locked(session, job.name)
                 if live >= job.max_live:
@@ -130,6 +137,7 @@ class Provider:
                 lease_expires_at=utcnow() + dt.timedelta(seconds=job.readiness_budget_s + margin),
                 egress_denied=sandbox_egress_denied(job, spec.egress),
                 actor=self.actor,
+                image_resolved=resolved,
             )
             result = row.id, token
         self.failpoint("after-intent")
@@ -170,7 +178,9 @@ class Provider:
             sent = time.monotonic()
             info = self._submit(spec)
             self.failpoint("after-create-sent")
-            info = self._await_ready(spec, token, budget, started, give_up)
+            info = self.backend.pull_record(
+                self._await_ready(spec, token, budget, started, give_up)
+            )
             audit.append(
                 {"action": "ready", "outcome": "observed", "api_s": time.monotonic() - sent}
             )
@@ -191,7 +201,8 @@ class Provider:
             sandbox_id=row.id,
             nonce=row.nonce,
             role=str(row.role),
-            image=row.image_digest or row.image,
+            # By digest when one is known: every sandbox of the request runs the same bytes.
+            image=refs.pinned(row.image, digest) if (digest := row.image_resolved) else row.image,
             cpu_m=row.cpu_m,
             memory_b=row.memory_b,
             token=token,
@@ -289,6 +300,12 @@ class Provider:
                     spec.namespace, {spec.name}, min(remaining, 2.0)
                 ):
                     latest = info
+                    if info.reason in IMAGE_PULL_REASONS:
+                        raise ImagePullFailed(
+                            f"{spec.name} cannot pull {spec.image}: {info.reason}: "
+                            f"{info.detail or 'no detail from the node'}",
+                            reason=info.reason or "",
+                        )
                     if info.terminal_failure:
                         raise CreateFailed(
                             f"{spec.name} failed to start: {info.reason or info.phase}"
@@ -336,6 +353,7 @@ class Provider:
                 row.pod_ip, row.node_name, row.address = info.ip, info.node, info.address
                 row.create_to_ready_s = time.monotonic() - started
                 row.image_pull_s, row.start_s = info.image_pull_s, info.start_s
+                row.image_pulled = info.pulled
                 row.readiness_simulated = self._simulated(job)
                 if row.pool_key is None:
                     row.acquired_at = now

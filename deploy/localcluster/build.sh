@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build (or reuse from cache) everything the local cluster needs.
-#   build.sh            # all: k8s etcd kwok crictl knp images
+#   build.sh            # all: k8s etcd kwok crictl knp registry crane images
 #   build.sh k8s etcd   # only some parts
 # Binaries land in ${SANDMAN_CACHE_DIR:-~/.cache/sandman}/<component>-<version>/bin,
 # images in .../images/<name>-<hash>.tar. A part is rebuilt only when missing.
@@ -75,11 +75,22 @@ build_knp() { # sigs.k8s.io/kube-network-policies: NetworkPolicy enforcement on 
     kube-network-policies sigs.k8s.io/kube-network-policies/cmd
 }
 
+build_registry() { # the registry the real node pulls task images from (see up.sh)
+  go_part registry "$REGISTRY_VERSION" "$REGISTRY_BIN" registry \
+    "-s -w -X github.com/distribution/distribution/v3/version.version=$REGISTRY_VERSION" \
+    registry github.com/distribution/distribution/v3/cmd/registry
+}
+
+build_crane() {
+  go_part crane "$CRANE_VERSION" "$CRANE_BIN" crane "-s -w" crane \
+    github.com/google/go-containerregistry/cmd/crane
+}
+
 build_images() {
   "$REPO_ROOT/deploy/images/build.sh"
 }
 
-parts=("$@"); [[ ${#parts[@]} -eq 0 ]] && parts=(etcd kwok k8s crictl knp images)
+parts=("$@"); [[ ${#parts[@]} -eq 0 ]] && parts=(etcd kwok k8s crictl knp registry crane images)
 for part in "${parts[@]}"; do
   case "$part" in
     k8s) build_k8s ;;
@@ -87,7 +98,9 @@ for part in "${parts[@]}"; do
     kwok) build_kwok ;;
     crictl) build_crictl ;;
     knp) build_knp ;;
+    registry) build_registry ;;
+    crane) build_crane ;;
     images) build_images ;;
-    *) die "unknown part $part (k8s|etcd|kwok|crictl|knp|images)" ;;
+    *) die "unknown part $part (k8s|etcd|kwok|crictl|knp|registry|crane|images)" ;;
   esac
 done

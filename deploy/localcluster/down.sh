@@ -62,6 +62,7 @@ stop kube-scheduler
 stop kube-controller-manager
 stop kube-apiserver 30
 stop etcd 30
+stop registry
 
 # 4. leftovers of our own containers: shims whose cmdline names our containerd socket/state
 for p in $(pgrep -f containerd-shim-runc-v2 || true); do

@@ -11,6 +11,8 @@ ETCD_VERSION="${SANDMAN_ETCD_VERSION:-v3.6.16}"
 KWOK_VERSION="${SANDMAN_KWOK_VERSION:-v0.8.0}"
 CRICTL_VERSION="${SANDMAN_CRICTL_VERSION:-v1.37.0}"
 KNP_VERSION=v0.8.0   # sigs.k8s.io/kube-network-policies; pinned in gobuild/knp/go.mod
+REGISTRY_VERSION=v3.1.2  # CNCF distribution (the reference registry); gobuild/registry/go.mod
+CRANE_VERSION=v0.22.1    # go-containerregistry crane (pushes the image tarballs); gobuild/crane
 
 # ---- locations ----
 STATE="$STATE_ROOT/cluster"
@@ -19,6 +21,8 @@ ETCD_BIN="$CACHE_DIR/etcd-$ETCD_VERSION/bin"
 KWOK_BIN="$CACHE_DIR/kwok-$KWOK_VERSION/bin"
 CRICTL_BIN="$CACHE_DIR/crictl-$CRICTL_VERSION/bin"
 KNP_BIN="$CACHE_DIR/kube-network-policies-$KNP_VERSION/bin"
+REGISTRY_BIN="$CACHE_DIR/registry-$REGISTRY_VERSION/bin"
+CRANE_BIN="$CACHE_DIR/crane-$CRANE_VERSION/bin"
 IMAGES_CACHE="$CACHE_DIR/images"
 KUBECONFIG_PATH="$STATE/kubeconfig"
 
@@ -35,6 +39,8 @@ KUBELET_PORT=$((16250 + PORT_OFFSET))         # real kubelet API
 KUBELET_HEALTHZ_PORT=$((16248 + PORT_OFFSET))
 KWOK_PORT=$((16280 + PORT_OFFSET))            # kwok metrics/healthz
 KNP_METRICS_PORT=$((16290 + PORT_OFFSET))     # kube-network-policies metrics
+REGISTRY_PORT=$((16500 + PORT_OFFSET))        # the loopback OCI registry the node pulls from
+REGISTRY_DEBUG_PORT=$((16501 + PORT_OFFSET))  # its health/metrics listener
 KNP_QUEUE_ID=$((100 + PORT_OFFSET))           # its NFQUEUE number (one listener per queue)
 BRIDGE_NAME="${SANDMAN_BRIDGE:-sandman0}"
 POD_NET="${SANDMAN_POD_NET:-10.244.0}"        # first three octets of the real node's /24
@@ -54,6 +60,9 @@ KWOK_NODE_PODS="${SANDMAN_KWOK_NODE_PODS:-1000}"
 CTRD_ROOT="$STATE/containerd/root"
 CTRD_STATE="$STATE/containerd/state"
 CTRD_SOCK="$STATE/containerd/containerd.sock"
+CTRD_CERTS="$STATE/containerd/certs.d"
+REGISTRY_HOSTPORT="127.0.0.1:$REGISTRY_PORT"
+REGISTRY_URL="http://$REGISTRY_HOSTPORT"
 CNI_CONF_DIR="$STATE/cni/net.d"
 CNI_BIN_DIR="/usr/lib/cni"
 

@@ -53,7 +53,7 @@ proc_running_or_die() { alive "$1" || { tail -30 "$LOGS/$1.log" >&2; die "$1 exi
 # ---------------------------------------------------------------- fast path
 bridge_mac="$(printf '02:00:%02x:%02x:%02x:%02x' ${BRIDGE_IP//./ })"   # see "host network"
 all_names=(etcd kube-apiserver kube-controller-manager kube-scheduler kwok containerd kubelet
-           kube-network-policies)
+           kube-network-policies registry)
 fast=1
 for n in "${all_names[@]}"; do alive "$n" || fast=0; done
 [[ "$(cat "/sys/class/net/$BRIDGE_NAME/address" 2>/dev/null)" == "$bridge_mac" ]] || fast=0
@@ -166,17 +166,59 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
     bin_dir = "$CNI_BIN_DIR"
     conf_dir = "$CNI_CONF_DIR"
     max_conf_num = 1
+  # Registry hosts as image refs name them -> where they are served (hosts.toml per host)
+  [plugins."io.containerd.grpc.v1.cri".registry]
+    config_path = "$CTRD_CERTS"
+TOML
+# `localhost/<name>` images are served by the loopback registry (plain HTTP on 127.0.0.1).
+mkdir -p "$CTRD_CERTS/localhost"
+cat > "$CTRD_CERTS/localhost/hosts.toml" <<TOML
+server = "$REGISTRY_URL"
+[host."$REGISTRY_URL"]
+  capabilities = ["pull", "resolve"]
 TOML
 start containerd /usr/bin/containerd --config "$STATE/containerd/config.toml"
 CTR=(ctr --address "$CTRD_SOCK" -n k8s.io)
 wait_for "containerd socket" 60 "${CTR[@]}" version
 
+# ---------------------------------------------------------------- registry
+# The reference OCI registry (CNCF distribution, built from the Go module proxy) on
+# loopback. Task images are PUSHED to it and the real node PULLS them by digest, so a cold
+# create that lacks its image pays a real pull (only the pause image is imported: the
+# runtime needs it before any pull). Blobs persist in the state dir across up/down.
+mkdir -p "$STATE/registry/data"
+cat > "$STATE/registry/config.yml" <<YAML
+version: 0.1
+log: {level: warn, accesslog: {disabled: true}}
+storage:
+  filesystem: {rootdirectory: $STATE/registry/data}
+  delete: {enabled: true}
+  maintenance: {uploadpurging: {enabled: false}}
+http:
+  addr: 127.0.0.1:$REGISTRY_PORT
+  debug: {addr: 127.0.0.1:$REGISTRY_DEBUG_PORT}
+YAML
+start_cmd registry "$REGISTRY_BIN/registry" env OTEL_TRACES_EXPORTER=none \
+  "$REGISTRY_BIN/registry" serve "$STATE/registry/config.yml"
+wait_for "registry on $REGISTRY_URL" 60 curl -fsS "$REGISTRY_URL/v2/"
+printf 'localhost=%s\n' "$REGISTRY_URL" > "$STATE/registries"   # SANDMAN_REGISTRIES for clients
+
 # ---------------------------------------------------------------- images
-# imported in the background while the control plane starts; waited for before kubelet
+# pause imported (and task images pushed) in the background while the control plane
+# starts; waited for before kubelet. pushed.tsv keeps each tag's digest.
 import_images() {
 present="$("${CTR[@]}" images ls -q 2>/dev/null || true)"
 while IFS=$'\t' read -r ref tarball; do
   [[ -n "$ref" ]] || continue
+  marker="$STATE/run/pushed-$(basename "$tarball")"
+  if [[ "$ref" != "$PAUSE_IMAGE" ]]; then
+    [[ -e "$marker" ]] && curl -fsSI -o /dev/null -H "Accept: application/vnd.docker.distribution.manifest.v2+json, application/vnd.oci.image.manifest.v1+json" "$REGISTRY_URL/v2/$(registry_path "$ref")" && continue
+    log "pushing $ref to $REGISTRY_URL"
+    digest_ref="$("$CRANE_BIN/crane" push --insecure "$tarball" "$REGISTRY_HOSTPORT/${ref#localhost/}")"
+    printf '%s\t%s\n' "$ref" "${digest_ref##*@}" >> "$STATE/registry/pushed.tsv"
+    touch "$marker"
+    continue
+  fi
   # re-import when the ref is missing or was imported from another tarball
   marker="$STATE/run/imported-$(basename "$tarball")"
   if grep -qx "$ref" <<<"$present" && [[ -e "$marker" ]]; then continue; fi
@@ -184,6 +226,9 @@ while IFS=$'\t' read -r ref tarball; do
   "${CTR[@]}" images import --snapshotter overlayfs "$tarball" >/dev/null
   touch "$marker"
 done < "$IMAGES_CACHE/index.tsv"
+}
+registry_path() { # localhost/name:tag -> name/manifests/tag
+  local rest="${1#localhost/}"; echo "${rest%:*}/manifests/${rest##*:}"
 }
 import_images > "$LOGS/image-import.log" 2>&1 &
 IMPORT_PID=$!
@@ -442,7 +487,7 @@ kwok_ready() {
   [[ "$n" -ge "$KWOK_NODE_COUNT" ]]
 }
 wait_for "kwok nodes Ready" 120 kwok_ready
-for n in kube-controller-manager kube-scheduler kwok containerd kubelet kube-network-policies; do
+for n in kube-controller-manager kube-scheduler kwok containerd kubelet kube-network-policies registry; do
   proc_running_or_die "$n"
 done
 wait_for "real node $REAL_NODE_NAME Ready" 180 node_ready "$REAL_NODE_NAME"

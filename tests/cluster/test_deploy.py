@@ -247,6 +247,8 @@ RBAC_MATRIX = [
         "create secrets",
         "get secrets",
         "delete secrets",
+        # pre-pull DaemonSets (broker/pools/prepull.py)
+        *(f"{verb} daemonsets.apps" for verb in ("create", "get", "list", "delete")),
     ),
     # nothing beyond that in the sandbox namespace
     *_asks(
@@ -263,6 +265,9 @@ RBAC_MATRIX = [
         "list secrets",
         "watch secrets",
         "update secrets",
+        "update daemonsets.apps",
+        "patch daemonsets.apps",
+        "create deployments.apps",
     ),
     # no other namespace, including its own
     *_asks("default", False, "create pods", "delete pods", "create configmaps"),

@@ -9,7 +9,7 @@ import datetime as dt
 from collections import defaultdict
 from collections.abc import Iterator
 
-from broker.backends.base import PodInfo, PodSpec
+from broker.backends.base import PodInfo, PodSpec, PrePullInfo, PrePullSpec
 from broker.errors import (
     ImageNotFound,
     KubeConflict,
@@ -31,6 +31,7 @@ class FakeBackend:
         self.become_ready = True
         self.deny_guard_install = False
         self.missing_images: set[str] = set()
+        self.prepulled: dict[str, PrePullInfo] = {}
 
     def _fault(self, op: str) -> str | None:
         return self.faults[op].pop(0) if self.faults[op] else None
@@ -45,9 +46,24 @@ class FakeBackend:
     def has_egress_guard(self, namespace: str, job: str) -> bool:
         return (namespace, job) in self.guards
 
-    def check_image(self, image: str) -> None:
-        if image in self.missing_images:
+    def resolve_image(self, image: str, digest: str | None) -> str | None:
+        if image in self.missing_images or digest in self.missing_images:
             raise ImageNotFound(f"image {image} is not in the fake store")
+        return digest
+
+    def pull_record(self, info: PodInfo) -> PodInfo:
+        return info
+
+    def ensure_prepull(self, namespace: str, want: PrePullSpec) -> str:
+        name = f"prepull-{want.job}-{want.image}"
+        self.prepulled[name] = PrePullInfo(name, want.job, want.image, desired=1, ready=1)
+        return name
+
+    def prepulls(self, namespace: str) -> list[PrePullInfo]:
+        return sorted(self.prepulled.values(), key=lambda p: p.name)
+
+    def remove_prepull(self, namespace: str, info: PrePullInfo) -> None:
+        self.prepulled.pop(info.name, None)
 
     def add_pod(
         self, namespace: str, name: str, labels: dict[str, str], ready: bool = True

@@ -87,6 +87,16 @@ def collect() -> str:
         for kind, n in sorted(stats.leaks_open(session).items()):
             out.sample("sandman_leaks_open", n, kind=kind)
         ov = stats.overview(session, redis)
+        pulls = stats.image_pulls(session)
+    out.family("sandman_image_starts_total", "counter", "Sandbox starts per image.")
+    for item in pulls:
+        out.sample("sandman_image_starts_total", item.starts, image=item.image)
+    out.family("sandman_image_pulls_total", "counter", "Starts that had to pull the image.")
+    for item in pulls:
+        out.sample("sandman_image_pulls_total", item.pulls, image=item.image)
+    out.family("sandman_image_pull_seconds_total", "counter", "Seconds spent pulling images.")
+    for item in pulls:
+        out.sample("sandman_image_pull_seconds_total", item.pull_s_sum, image=item.image)
     out.family("sandman_creates_per_second", "gauge", "Sandbox requests per second, 1 min avg.")
     out.sample("sandman_creates_per_second", ov.creates_per_s_1m)
     out.family("sandman_queue_depth", "gauge", "Messages waiting in each Celery queue.")

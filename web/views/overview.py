@@ -47,6 +47,7 @@ def index() -> Any:
         context = {
             "ov": ov,
             "charts": chart_set(session),
+            "pulls": stats.image_pulls(session, utcnow() - dt.timedelta(days=1)),
             "states": LIVE_ORDER,
             "redis_error": parts.redis_error if redis is None else None,
         }

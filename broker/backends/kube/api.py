@@ -153,7 +153,7 @@ def _json_lines(resp: Any) -> Iterator[dict[str, Any]]:
 
 
 # The namespaced side objects ``Kube.get_object``/``create_object`` handle.
-ObjectKind = Literal["configmap", "networkpolicy", "secret"]
+ObjectKind = Literal["configmap", "networkpolicy", "secret", "daemonset"]
 
 
 class Kube:
@@ -163,6 +163,7 @@ class Kube:
         self.api_client = api_client
         self.core = client.CoreV1Api(api_client)
         self.net = client.NetworkingV1Api(api_client)
+        self.apps = client.AppsV1Api(api_client)
 
     def create_pod(self, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
         return call_json("create pod", self.core.create_namespaced_pod, namespace, body)
@@ -198,6 +199,17 @@ class Kube:
             token = (data.get("metadata") or {}).get("continue")
             if not token:
                 return items, version
+
+    def pod_events(self, namespace: str, name: str) -> list[dict[str, Any]]:
+        """The events the node and scheduler recorded for pod ``name`` (one read)."""
+        data = read_json(
+            "list events",
+            self.core.list_namespaced_event,
+            namespace,
+            field_selector=f"involvedObject.kind=Pod,involvedObject.name={name}",
+            limit=100,
+        )
+        return list(data.get("items") or [])
 
     def current_version(self, namespace: str, selector: str) -> str:
         """The resourceVersion a watch can start from, without listing every pod."""
@@ -262,6 +274,8 @@ class Kube:
             return self.core.read_namespaced_config_map, self.core.create_namespaced_config_map
         if kind == "secret":
             return self.core.read_namespaced_secret, self.core.create_namespaced_secret
+        if kind == "daemonset":
+            return self.apps.read_namespaced_daemon_set, self.apps.create_namespaced_daemon_set
         net = self.net
         return net.read_namespaced_network_policy, net.create_namespaced_network_policy
 
@@ -274,6 +288,30 @@ class Kube:
     ) -> dict[str, Any]:
         _, create = self._methods(kind)
         return call_json(f"create {kind}", create, namespace, body)
+
+    def list_daemonsets(self, namespace: str, selector: str) -> list[dict[str, Any]]:
+        data = read_json(
+            "list daemonsets",
+            self.apps.list_namespaced_daemon_set,
+            namespace,
+            label_selector=selector,
+        )
+        return list(data.get("items") or [])
+
+    def delete_daemonset(self, namespace: str, name: str, *, uid: str | None) -> None:
+        """Delete with a UID precondition; its pods go with it (foreground is not needed:
+        they hold nothing but a pulled image)."""
+        options = client.V1DeleteOptions(
+            propagation_policy="Background",
+            preconditions=client.V1Preconditions(uid=uid) if uid else None,
+        )
+        call_json(
+            "delete daemonset",
+            self.apps.delete_namespaced_daemon_set,
+            name,
+            namespace,
+            body=options,
+        )
 
     def delete_secret(self, namespace: str, name: str, *, uid: str | None) -> None:
         """Delete with a UID precondition, like a pod: never a same-named replacement."""

@@ -9,15 +9,25 @@ per-pod polling or per-pod watches.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime as dt
+import logging
 import threading
 import time
 from collections.abc import Iterator
 from typing import Any
 
-from broker.backends.base import LABEL_INSTALLATION, LABEL_NONCE, PodInfo, PodSpec
+from broker.backends.base import (
+    LABEL_INSTALLATION,
+    LABEL_NONCE,
+    PodInfo,
+    PodSpec,
+    PrePullInfo,
+    PrePullSpec,
+)
 from broker.backends.kube import podspec
 from broker.backends.kube.api import Kube, load_api_client
+from broker.backends.kube.pulls import pull_from_events
 from broker.backends.kube.watcher import PodWatch
 from broker.errors import (
     KubeConflict,
@@ -26,7 +36,12 @@ from broker.errors import (
     NamespaceUnavailable,
     OwnershipError,
 )
+from broker.images import refs
+from broker.images.registry import RegistryClient
+from broker.names import LABEL_PREPULL, LABEL_PREPULL_JOB
 from broker.settings import Settings
+
+log = logging.getLogger(__name__)
 
 
 def _parse_time(value: str | None) -> dt.datetime | None:
@@ -45,12 +60,13 @@ def pod_info(pod: dict[str, Any], port: int) -> PodInfo:
     conditions = {c.get("type"): c for c in status.get("conditions") or []}
     ready = (conditions.get("Ready") or {}).get("status") == "True"
     reason: str | None = status.get("reason")
+    detail: str | None = status.get("message")
     started: dt.datetime | None = None
     for cs in status.get("containerStatuses") or []:
         state = cs.get("state") or {}
         waiting, terminated = state.get("waiting"), state.get("terminated")
         if waiting and waiting.get("reason") not in (None, "ContainerCreating"):
-            reason = waiting.get("reason")
+            reason, detail = waiting.get("reason"), waiting.get("message")
         if terminated:
             reason = terminated.get("reason") or "Terminated"
         if state.get("running"):
@@ -75,6 +91,7 @@ def pod_info(pod: dict[str, Any], port: int) -> PodInfo:
         image_pull_s=_seconds(sandbox_ready, started),
         start_s=_seconds(started, ready_at) if ready else None,
         reason=reason,
+        detail=detail,
     )
 
 
@@ -88,8 +105,16 @@ class KubeBackend:
 
     name = "kubernetes"
 
-    def __init__(self, kube: Kube, *, installation: str, execd_port: int = 8080) -> None:
+    def __init__(
+        self,
+        kube: Kube,
+        *,
+        installation: str,
+        execd_port: int = 8080,
+        registry: RegistryClient | None = None,
+    ) -> None:
         self.kube = kube
+        self.registry = registry or RegistryClient({})
         self.installation = installation
         self.port = execd_port
         self._owners: dict[tuple[str, str], str] = {}
@@ -102,7 +127,12 @@ class KubeBackend:
     @classmethod
     def from_settings(cls, settings: Settings) -> KubeBackend:
         kube = Kube(load_api_client(settings.kubeconfig))
-        return cls(kube, installation=settings.installation_id, execd_port=settings.execd_port)
+        return cls(
+            kube,
+            installation=settings.installation_id,
+            execd_port=settings.execd_port,
+            registry=RegistryClient.from_setting(settings.registries),
+        )
 
     # -- objects that must exist before pods ------------------------------------------
 
@@ -229,9 +259,63 @@ class KubeBackend:
                         podspec.egress_policy(job, self.installation, allow),
                     )
 
-    def check_image(self, image: str) -> None:
-        """Nothing yet: the node's runtime resolves images (a registry HEAD is issue #15's
-        cluster part); a missing one fails the create as ErrImageNeverPull/ErrImagePull."""
+    def resolve_image(self, image: str, digest: str | None) -> str | None:
+        """A HEAD of the manifest at the image's configured registry (cached briefly):
+        the digest every pod of this request runs. A host that is not configured cannot be
+        checked: the pod is created by tag (or by the request's own digest, trusted)."""
+        ref = refs.pinned(image, digest) if digest else image
+        if not self.registry.serves(ref):
+            return digest
+        return self.registry.resolve(ref)
+
+    def ensure_prepull(self, namespace: str, want: PrePullSpec) -> str:
+        name = podspec.prepull_name(self.installation, want.job, want.image)
+        with self._in_namespace(namespace, "get/create daemonsets"):
+            if self.kube.get_object("daemonset", namespace, name) is None:
+                body = podspec.prepull_daemonset(
+                    installation=self.installation,
+                    job=want.job,
+                    image=want.image,
+                    node_selector=want.node_selector,
+                    tolerations=want.tolerations,
+                    owner_uid=self._owner_uid(namespace, want.job),
+                )
+                with contextlib.suppress(KubeConflict):
+                    self.kube.create_object("daemonset", namespace, body)
+        return name
+
+    def prepulls(self, namespace: str) -> list[PrePullInfo]:
+        out = []
+        for item in self.kube.list_daemonsets(namespace, f"{LABEL_PREPULL}={self.installation}"):
+            meta, status = item.get("metadata") or {}, item.get("status") or {}
+            out.append(
+                PrePullInfo(
+                    name=str(meta.get("name")),
+                    job=str((meta.get("labels") or {}).get(LABEL_PREPULL_JOB, "")),
+                    image=str((meta.get("annotations") or {}).get("sandman.io/image", "")),
+                    desired=int(status.get("desiredNumberScheduled") or 0),
+                    ready=int(status.get("numberReady") or 0),
+                    uid=meta.get("uid"),
+                )
+            )
+        return sorted(out, key=lambda p: p.name)
+
+    def remove_prepull(self, namespace: str, info: PrePullInfo) -> None:
+        with contextlib.suppress(KubeNotFound):
+            self.kube.delete_daemonset(namespace, info.name, uid=info.uid)
+
+    def pull_record(self, info: PodInfo) -> PodInfo:
+        try:
+            events = self.kube.pod_events(info.namespace, info.name)
+        except KubeError as exc:  # a record, not a reason to fail a Ready pod
+            log.info("events of %s unreadable: %s", info.name, exc)
+            return info
+        pulled, seconds = pull_from_events(events)
+        if pulled is None:
+            return info
+        return dataclasses.replace(
+            info, pulled=pulled, image_pull_s=seconds if pulled else info.image_pull_s
+        )
 
     def has_egress_guard(self, namespace: str, job: str) -> bool:
         """Read back from the API server; a positive answer is trusted for GUARD_TTL_S,
@@ -356,6 +440,7 @@ class KubeBackend:
             for watch in self._watches.values():
                 watch.close()
             self._watches.clear()
+        self.registry.close()
 
 
 def _deleted(namespace: str, name: str) -> PodInfo:

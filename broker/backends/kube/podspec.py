@@ -266,3 +266,74 @@ def pod_manifest(
             ],
         },
     }
+
+
+def prepull_name(installation: str, job: str, image: str) -> str:
+    """One DaemonSet per (installation, job, pinned image): stable, so a reconcile
+    pass finds the one it made before."""
+    digest = hashlib.sha256(f"{installation}|{job}|{image}".encode()).hexdigest()[:16]
+    return f"sm-prepull-{digest}"
+
+
+def prepull_daemonset(
+    *,
+    installation: str,
+    job: str,
+    image: str,
+    node_selector: dict[str, str],
+    tolerations: list[dict[str, Any]],
+    owner_uid: str,
+) -> dict[str, Any]:
+    """Pull ``image`` onto every node the job's sandboxes may land on, and keep it there.
+
+    The pod runs the image itself (``python3``, which every task image has for execd),
+    sleeping at a minimal request: an image in use is never removed by the kubelet's
+    image GC, so a pre-pulled image stays pulled for as long as the job wants it. It
+    carries the prepull label instead of the installation label: no nonce, no ledger
+    row, invisible to the pod GC; deleting the job's owner ConfigMap deletes it too."""
+    labels = {
+        names.LABEL_PREPULL: installation,
+        names.LABEL_PREPULL_JOB: job,
+        names.MANAGED_BY: "sandman-broker",
+    }
+    name = prepull_name(installation, job, image)
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "DaemonSet",
+        "metadata": {
+            "name": name,
+            "labels": labels,
+            "annotations": {"sandman.io/image": image},
+            "ownerReferences": [owner_reference(job, owner_uid)],
+        },
+        "spec": {
+            "selector": {"matchLabels": {"sandman.io/prepull": name}},
+            "template": {
+                "metadata": {"labels": {**labels, "sandman.io/prepull": name}},
+                "spec": {
+                    "enableServiceLinks": False,
+                    "automountServiceAccountToken": False,
+                    "terminationGracePeriodSeconds": 0,
+                    "nodeSelector": dict(node_selector),
+                    "tolerations": list(tolerations),
+                    "containers": [
+                        {
+                            "name": "hold",
+                            "image": image,
+                            "imagePullPolicy": "IfNotPresent",
+                            "command": [
+                                "python3",
+                                "-c",
+                                "import signal; signal.signal(signal.SIGTERM, "
+                                "lambda *a: exit(0)); signal.pause()",
+                            ],
+                            "resources": {
+                                "requests": {"cpu": "1m", "memory": "16Mi"},
+                                "limits": {"cpu": "50m", "memory": "32Mi"},
+                            },
+                        }
+                    ],
+                },
+            },
+        },
+    }

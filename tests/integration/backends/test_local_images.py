@@ -18,6 +18,7 @@ from sqlalchemy import func, select
 
 from broker.backends.local import LocalBackend
 from broker.errors import ImageNotFound
+from broker.ledger import store
 from broker.ledger.models import Sandbox
 from broker.ownership.provider import Provider
 from broker.settings import Settings
@@ -133,7 +134,9 @@ def test_a_missing_image_is_typed_before_any_row_or_process(
     sessions: Any, tmp_path: Path, backend: LocalBackend
 ) -> None:
     provider = Provider(Settings(state_dir=tmp_path / "state"), sessions, backend)
-    request = AcquireRequest.new(job="no-such-job", image="localhost/sandman-missing:1")
+    with sessions.begin() as session:
+        store.ensure_job(session, "missing-image-job")
+    request = AcquireRequest.new(job="missing-image-job", image="localhost/sandman-missing:1")
     with pytest.raises(ImageNotFound):
         provider.intent(request)
     with pytest.raises(ImageNotFound):

@@ -129,3 +129,31 @@ def test_hostile_inputs_get_documented_errors_not_500(admin):
         "/api/leaks/1/delete", json={"confirm_nonce": 5}, headers={"X-CSRF-Token": token}
     )
     assert odd.status_code == 400
+
+
+def test_image_pulls_reach_metrics_and_the_overview(admin, provider, job, sessions):
+    """Rows the node marked pulled / not pulled (set at the ledger seam: the fake backend
+    has no node) are counted per image in /metrics and the overview's pull table."""
+    from broker.ledger.models import Sandbox
+
+    image = f"localhost/pull-share-{job}:1"
+    sids = [ready_sandbox(provider, job) for _ in range(4)]
+    with sessions.begin() as s:
+        for n, sid in enumerate(sids):
+            row = s.get(Sandbox, sid)
+            row.image = image
+            row.image_pulled = n == 0
+            row.image_pull_s = 4.5 if n == 0 else None
+    text = admin.get("/metrics").get_data(as_text=True)
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+
+    def value(family: str) -> float:
+        return next(s.value for s in families[family].samples if s.labels.get("image") == image)
+
+    assert value("sandman_image_starts") == 4
+    assert value("sandman_image_pulls") == 1
+    assert value("sandman_image_pull_seconds") == 4.5
+    page = admin.get("/").get_data(as_text=True)
+    table = page.split('id="image-pulls"', 1)[1].split("</table>", 1)[0]
+    row = table.split(image, 1)[1].split("</tr>", 1)[0]
+    assert ">4<" in row and ">1<" in row and "25%" in row and "4.50 s" in row
