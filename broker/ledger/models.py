@@ -186,3 +186,34 @@ class Leak(Base):
     resolution: Mapped[str | None] = mapped_column(String(64))
     resolved_by: Mapped[str | None] = mapped_column(String(128))
     detail: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+
+
+class GcPass(Base):
+    """One GC pass's observed-versus-ledger counts, written by the pass itself.
+
+    Auditors read it (the ``audit.gc_passes`` view) to see every pass's pods against the
+    ledger's live rows over time, so it is append-only in the database: a trigger from
+    migration 0002 refuses UPDATE, DELETE and TRUNCATE, whoever asks."""
+
+    __tablename__ = "gc_passes"
+    __table_args__ = (Index("ix_gc_passes_started_at", "started_at"),)
+
+    id: Mapped[int] = mapped_column(
+        BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True
+    )
+    started_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True))
+    finished_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True))
+    installation: Mapped[str] = mapped_column(String(63))
+    namespace: Mapped[str] = mapped_column(String(63))
+    actor: Mapped[str] = mapped_column(String(128))
+    dry_run: Mapped[bool] = mapped_column(Boolean)
+    # Observed: every pod carrying our label keys (other installations' included) ...
+    pods_seen: Mapped[int] = mapped_column(Integer)
+    foreign_pods: Mapped[int] = mapped_column(Integer)
+    # ... against the ledger: this installation's rows in a live state when the pass read them.
+    live_rows: Mapped[int] = mapped_column(Integer)
+    unowned_pods: Mapped[int] = mapped_column(Integer)
+    late_pods: Mapped[int] = mapped_column(Integer)
+    dangling_rows: Mapped[int] = mapped_column(Integer)
+    actions: Mapped[int] = mapped_column(Integer)
+    errors: Mapped[int] = mapped_column(Integer)

@@ -137,7 +137,8 @@ def new_intent(
         action="intent",
         to_state=State.REQUESTED,
         actor=actor,
-        detail={"request_id": spec.request_id, "image": spec.image},
+        # ``owner``: the trainer that holds it from here (the audit.holds view reads it)
+        detail={"request_id": spec.request_id, "image": spec.image, "owner": spec.owner},
     )
     return row
 

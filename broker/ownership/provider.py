@@ -402,7 +402,7 @@ class Provider:
                 kind="pool",
                 action="hand-out",
                 actor=self.actor,
-                detail={"request_id": request_id},
+                detail={"request_id": request_id, "owner": owner},
             )
             return row.job
 
