@@ -160,6 +160,12 @@ def register(group: click.Group) -> None:
         metavar="allow|deny|CIDR[,CIDR...]",
         help="The job's egress policy: allow (default), deny, or deny except these CIDRs.",
     )
+    @click.option(
+        "--tenant",
+        default=None,
+        metavar="NAME|none",
+        help="Move the job to this tenant (its quotas apply; audited); none: to no tenant.",
+    )
     @click.pass_context
     def job_create(  # noqa: PLR0917 (click passes options positionally)
         ctx: click.Context,
@@ -174,6 +180,7 @@ def register(group: click.Group) -> None:
         lease_s: float | None,
         readiness_budget_s: float | None,
         egress: str | None,
+        tenant: str | None,
     ) -> None:
         """Create or update job NAME."""
         from broker.errors import SandmanError
@@ -206,6 +213,12 @@ def register(group: click.Group) -> None:
         try:
             with root.sessions.begin() as session:
                 store.ensure_job(session, name, **config)
+            if tenant is not None:
+                from broker.acquire import quotas
+                from broker.cli.tenants import actor
+
+                to = None if tenant.strip().lower() == "none" else tenant
+                quotas.assign_job(root.sessions, name, to, actor=actor())
             with root.sessions() as session:
                 row = store.get_job(session, name)
                 click.echo(
@@ -217,6 +230,7 @@ def register(group: click.Group) -> None:
                             "reuse": row.reuse,
                             "egress": row.egress,
                             "egress_allow": row.egress_allow,
+                            "tenant": row.tenant,
                         }
                     )
                 )
