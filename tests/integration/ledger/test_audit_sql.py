@@ -19,6 +19,7 @@ import pytest
 from click.testing import CliRunner
 from psycopg.rows import dict_row
 
+from broker.acquire import quotas
 from broker.acquire.root import WORKER, Root
 from broker.backends.base import PodSpec
 from broker.cli.main import main
@@ -100,9 +101,11 @@ def _db_now(database_url: str) -> dt.datetime:
 def test_owner_history_and_pod_hours_of_a_real_acquire_and_release(
     stack: Settings, sessions: Any, database_url: str, auditor: Auditor
 ) -> None:
-    job = f"audit-{secrets.token_hex(3)}"
+    job, tenant = f"audit-{secrets.token_hex(3)}", f"team-{secrets.token_hex(3)}"
     with sessions.begin() as session:
         store.ensure_job(session, job)
+    quotas.create(sessions, tenant, {"max_live": 5}, actor="admin:audit")
+    quotas.assign_job(sessions, job, tenant, actor="admin:audit")
     before = _db_now(database_url)
     client = SandboxClient(stack.redis_url, owner=TRAINER)
     try:
@@ -127,6 +130,7 @@ def test_owner_history_and_pod_hours_of_a_real_acquire_and_release(
     with auditor() as conn:
         (owned,) = run(conn, "owner-at", pod_name=pod, at=during)
         assert (owned["sandbox_id"], owned["job"], owned["trainer"]) == (sandbox_id, job, TRAINER)
+        assert owned["tenant"] == tenant
         assert owned["owned_from"] == row.requested_at and owned["owned_until"] == row.deleted_at
         assert owned["created_by"] == "worker" and owned["deleted_by"] == "worker"
         assert run(conn, "owner-at", pod_name=pod, at=before) == []
@@ -147,6 +151,15 @@ def test_owner_history_and_pod_hours_of_a_real_acquire_and_release(
         (used,) = [r for r in run(conn, "pod-hours") if r["job"] == job]
         assert used["pods"] == 1 and float(used["pod_hours"]) == pytest.approx(expected)
         assert float(used["cpu_core_hours"]) == pytest.approx(expected * 0.25)
+        (billed,) = [r for r in run(conn, "pod-hours-by-tenant") if r["tenant"] == tenant]
+        assert (billed["jobs"], billed["pods"]) == (1, 1)
+        assert float(billed["pod_hours"]) == pytest.approx(expected)
+        changes = run(conn, "quota-changes", tenant=tenant, job=job)
+        assert [(c["action"], c["actor"], c["job"]) for c in changes] == [
+            ("tenant-create", "admin:audit", None),
+            ("job-tenant", "admin:audit", job),
+        ]
+        assert changes[0]["after"] == {"max_live": 5, "creates_per_minute": None}
         # a window holding only the second half of the pod's life counts only that half
         middle = row.creating_at + (row.deleted_at - row.creating_at) / 2
         (half,) = [
