@@ -43,6 +43,11 @@ def test_admin_creates_changes_lists_and_moves_a_job_all_audited(
     check(spec, "/api/tenants", "200", listed.json, method="get")
     (mine,) = [t for t in listed.json["tenants"] if t["name"] == name]
     assert mine["jobs"] == [job] and mine["live"] == 0
+    (row,) = [j for j in admin.get("/api/jobs").json["jobs"] if j["name"] == job]
+    assert row["tenant"] == name
+    page = admin.get("/jobs").get_data(as_text=True)
+    tenants_table = page.split('id="tenants"')[1].split("</table>")[0]
+    assert f"<td>{name}</td>" in tenants_table and f"<td>{job}</td>" in tenants_table
     with sessions() as session:
         assert session.get(Job, job).tenant == name
         actions = [
