@@ -224,8 +224,19 @@ def upgrade() -> None:
     for name, body in _VIEWS.items():
         op.execute(f"CREATE VIEW audit.{name} AS {body}")
     op.execute(_CREATE_ROLE)
-    # Defence in depth; the role holds no write privilege anyway. Per role, so server-wide.
-    op.execute("ALTER ROLE sandman_auditor SET default_transaction_read_only = on")
+    # Defence in depth; the role holds no write privilege anyway. Per role, so server-wide;
+    # a migrating user who may not alter the role (a superuser created it) skips it.
+    op.execute(
+        """
+DO $$
+BEGIN
+    ALTER ROLE sandman_auditor SET default_transaction_read_only = on;
+EXCEPTION WHEN insufficient_privilege THEN
+    RAISE NOTICE 'sandman_auditor: default_transaction_read_only left to a superuser';
+END
+$$
+"""
+    )
     op.execute("GRANT USAGE ON SCHEMA audit TO sandman_auditor")
     op.execute("GRANT SELECT ON ALL TABLES IN SCHEMA audit TO sandman_auditor")
 

@@ -70,3 +70,41 @@ def test_audit_migration_downgrades_and_upgrades_on_its_own(service_urls):  # ty
         upgrade(url)
         assert shape(url) == (True, True, True)
         check(url)
+
+
+def test_a_migrating_user_without_createrole_migrates_once_the_role_exists(service_urls):  # type: ignore[no-untyped-def]
+    """An external PostgreSQL's ledger owner is often no superuser: with sandman_auditor
+    created beforehand (here: by the session database's migration), 0002 and 0003 still
+    run, grant the role this database's views, and leave the role's settings alone."""
+    import secrets
+
+    import psycopg
+    from sqlalchemy.engine import make_url
+
+    from broker.ledger.auditor import libpq_url
+
+    admin = libpq_url(service_urls.database_url)
+    suffix = secrets.token_hex(4)
+    user, db, password = f"sandman_mig_{suffix}", f"sandman_mig_{suffix}", secrets.token_hex(16)
+    with psycopg.connect(admin, autocommit=True) as conn:
+        assert conn.execute("SELECT 1 FROM pg_roles WHERE rolname = 'sandman_auditor'").fetchone()
+        conn.execute(f"CREATE ROLE {user} LOGIN NOCREATEROLE PASSWORD '{password}'")
+        conn.execute(f'CREATE DATABASE "{db}" OWNER {user}')
+    url = (
+        make_url(service_urls.database_url)
+        .set(username=user, password=password, database=db)
+        .render_as_string(hide_password=False)
+    )
+    try:
+        upgrade(url)
+        check(url)
+        with psycopg.connect(libpq_url(url)) as conn:
+            granted = conn.execute(
+                "SELECT has_table_privilege('sandman_auditor', 'audit.sandboxes', 'SELECT'),"
+                " has_table_privilege('sandman_auditor', 'public.sandboxes', 'SELECT')"
+            ).fetchone()
+        assert granted == (True, False)
+    finally:
+        with psycopg.connect(admin, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{db}" WITH (FORCE)')
+            conn.execute(f"DROP ROLE IF EXISTS {user}")
