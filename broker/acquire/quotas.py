@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from sqlalchemy import func, select
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from broker.errors import InvalidRequest, UnknownTenant
@@ -39,7 +40,7 @@ class TenantView:
         return asdict(self)
 
 
-def check_name(name: str) -> str:
+def validate_name(name: str) -> str:
     if not name or len(name) > 63 or not all(c.isalnum() or c in "-." for c in name):
         raise InvalidRequest(
             f"tenant name {name!r} must be 1-63 chars of [A-Za-z0-9.-]", field="name"
@@ -47,7 +48,7 @@ def check_name(name: str) -> str:
     return name
 
 
-def check_quotas(quotas: dict[str, Any]) -> dict[str, int | None]:
+def validate_quotas(quotas: dict[str, Any]) -> dict[str, int | None]:
     """Only known quotas, each a whole number from 0 to MAX_QUOTA or None (no limit)."""
     out: dict[str, int | None] = {}
     for key, value in quotas.items():
@@ -87,22 +88,30 @@ def _audit(
     )
 
 
-def create(sessions: sessionmaker[Session], name: str, *, actor: str, **quotas: Any) -> TenantView:
+def create(
+    sessions: sessionmaker[Session], name: str, quotas: dict[str, Any], *, actor: str
+) -> TenantView:
     """A new tenant with these quotas (the others: no limit)."""
-    values = check_quotas(quotas)
-    with sessions.begin() as session:
-        if session.get(Tenant, check_name(name), with_for_update=True) is not None:
-            raise InvalidRequest(f"tenant {name} exists: change it with set", field="name")
-        row = Tenant(name=name, **{k: values.get(k) for k in QUOTAS})
-        session.add(row)
-        session.flush()
-        _audit(session, "tenant-create", name, None, _quotas_of(row), actor=actor)
+    values = validate_quotas(quotas)
+    exists = InvalidRequest(f"tenant {name} exists: change it with set", field="name")
+    try:
+        with sessions.begin() as session:
+            if session.get(Tenant, validate_name(name)) is not None:
+                raise exists
+            row = Tenant(name=name, **{k: values.get(k) for k in QUOTAS})
+            session.add(row)
+            session.flush()  # a concurrent create of the same name fails here
+            _audit(session, "tenant-create", name, None, _quotas_of(row), actor=actor)
+    except IntegrityError as exc:
+        raise exists from exc
     return get(sessions, name)
 
 
-def update(sessions: sessionmaker[Session], name: str, *, actor: str, **quotas: Any) -> TenantView:
+def update(
+    sessions: sessionmaker[Session], name: str, quotas: dict[str, Any], *, actor: str
+) -> TenantView:
     """Change the given quotas (None: no limit); the others stay as they are."""
-    values = check_quotas(quotas)
+    values = validate_quotas(quotas)
     if not values:
         raise InvalidRequest("name at least one quota to change", field="quota")
     with sessions.begin() as session:

@@ -76,7 +76,7 @@ def register(group: click.Group) -> None:
         from broker.acquire import quotas
 
         quotas_given = _given(max_live, creates_per_minute)
-        view = _run(ctx, lambda s: quotas.create(s, name, actor=actor(), **quotas_given))
+        view = _run(ctx, lambda s: quotas.create(s, name, quotas_given, actor=actor()))
         click.echo(json.dumps(view.to_dict()))
 
     @tenant.command("set")
@@ -90,7 +90,7 @@ def register(group: click.Group) -> None:
         from broker.acquire import quotas
 
         quotas_given = _given(max_live, creates_per_minute)
-        view = _run(ctx, lambda s: quotas.update(s, name, actor=actor(), **quotas_given))
+        view = _run(ctx, lambda s: quotas.update(s, name, quotas_given, actor=actor()))
         click.echo(json.dumps(view.to_dict()))
 
     @tenant.command("ls")
