@@ -14,6 +14,7 @@ SandmanError                                                  retryable? (T/P)
 ├── InvalidRequest(ValueError)                                P  malformed input; nothing was created
 │   ├── UnknownJob(LookupError)                               P
 │   ├── EgressNotPermitted                                    P  a request allowing egress its job denies
+│   ├── UnknownTenant(LookupError)                            P
 │   ├── ImageNotFound(LookupError)          (images)          P  the image ref is not in the local store
 │   ├── ImageInvalid                        (images)          P  an archive or layer the store refuses
 │   └── TaskSpecError                       (grading.spec)    P  a task file that cannot be graded
@@ -21,6 +22,8 @@ SandmanError                                                  retryable? (T/P)
 │   ├── ServiceUnavailable(ConnectionError)                   T  Redis/PostgreSQL/broker down
 │   ├── AcquireTimeout(TimeoutError)                          T  no sandbox within the caller's budget
 │   ├── AtCapacity                                            T  the job holds max_live live sandboxes
+│   ├── QuotaExceeded                                         T  the job's tenant is over a quota: answered
+│   │                                                            at once, with retry_after_s
 │   ├── SandboxLost                                           P  the pod or execd went away mid-rollout
 │   ├── CreateFailed                                          P  the provider could not make a ready sandbox
 │   │   ├── ForeignPod                                        P  a pod with our name is not ours (nonce or
@@ -115,6 +118,10 @@ class UnknownJob(InvalidRequest, LookupError):
     code = "unknown_job"
 
 
+class UnknownTenant(InvalidRequest, LookupError):
+    code = "unknown_tenant"
+
+
 class ImageNotFound(InvalidRequest, LookupError):
     """The image reference is in no store this backend reads (raised before any row or
     process exists: ``sandman image import`` it first)."""
@@ -148,6 +155,24 @@ class AtCapacity(InfrastructureError, TemporaryError):
     """The job holds ``max_live`` live sandboxes; nothing was written."""
 
     code = "at_capacity"
+
+
+class QuotaExceeded(InfrastructureError, TemporaryError):
+    """The job's tenant is over one of its quotas (``quota``: ``max_live`` or
+    ``creates_per_minute``); nothing was written and no pod exists.
+
+    Unlike ``AtCapacity`` (a job's own cap, waited out in the queue), a tenant's quota is
+    answered to the trainer at once: a team over its share should hear so, not queue.
+    ``retry_after_s`` is when asking again can succeed: exact for the create rate (the
+    oldest create leaves the minute), a hint for the live quota (a release frees it)."""
+
+    code = "quota_exceeded"
+    tenant: str | None = None
+    quota: str | None = None
+
+    @property
+    def retry_after_s(self) -> float | None:
+        return self.retry_after
 
 
 class SandboxLost(InfrastructureError, PermanentError):

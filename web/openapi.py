@@ -53,7 +53,7 @@ SANDBOX = _obj(
         "failed_at": _NTIME, "abandoned_at": _NTIME, "enqueued_at": _NTIME,
         "acquire_latency_s": _n(_F), "create_to_ready_s": _n(_F), "image_pull_s": _n(_F),
         "start_s": _n(_F), "last_error": _n(_S), "egress_denied": {"type": _B},
-        "egress_enforced": _n(_B), "readiness_simulated": {"type": _B},
+        "egress_enforced": _n(_B), "readiness_simulated": {"type": _B}, "tenant": _n(_S),
     }
 )  # fmt: skip
 EVENT = _obj(
@@ -94,6 +94,14 @@ OVERVIEW = _obj(
         "warm_hit_rate": _n(_F), "leaks_open": _COUNTS, "leaks_open_total": {"type": _I},
     }
 )  # fmt: skip
+TENANT = _obj(
+    {
+        "name": {"type": _S}, "max_live": _n(_I), "creates_per_minute": _n(_I),
+        "jobs": {"type": "array", "items": {"type": _S}}, "live": {"type": _I},
+        "creates_last_minute": {"type": _I},
+    }
+)  # fmt: skip
+_QUOTA = {"type": ["integer", "null"], "minimum": 0, "description": "null: no limit"}
 POOL = _obj(
     {
         "key": _n(_S), "image": _n(_S), "size": _n(_I), "idle_timeout_s": _n(_F),
@@ -102,7 +110,7 @@ POOL = _obj(
 )  # fmt: skip
 JOB = _obj(
     {
-        "name": {"type": _S}, "create_rate": _n(_F), "create_burst": _n(_I),
+        "name": {"type": _S}, "tenant": _n(_S), "create_rate": _n(_F), "create_burst": _n(_I),
         "max_live": _n(_I), "max_concurrent_creates": _n(_I),
         "readiness_budget_s": {"type": _F}, "idle_timeout_s": {"type": _F},
         "lease_s": {"type": _F}, "egress": {"type": _S}, "reuse": {"type": _B},
@@ -130,6 +138,27 @@ _ERRORS = {
     "401": _json(_ref("Error"), "Not logged in"),
     "414": {"description": "URI too long (refused by the HTTP server before the app)"},
 }
+
+
+def _admin_post(
+    summary: str,
+    body: dict[str, Any],
+    ok: dict[str, Any],
+    ok_status: str,
+    params: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """An admin-only POST with a JSON body (viewer or failed CSRF: 403; unknown name: 404)."""
+    return {
+        "summary": summary,
+        "parameters": params or [],
+        "requestBody": {"required": True, "content": {"application/json": {"schema": body}}},
+        "responses": {
+            ok_status: ok,
+            **_ERRORS,
+            "403": _json(_ref("Error"), "Viewer role or failed CSRF check"),
+            "404": _json(_ref("Error"), "No such tenant or job"),
+        },
+    }
 
 
 def _param(name: str, schema: dict[str, Any], where: str = "query", **kw: Any) -> dict[str, Any]:
@@ -248,6 +277,43 @@ def spec() -> dict[str, Any]:
                 },
             }
         },
+        "/api/tenants": {
+            **_get(
+                "Tenants: quotas, jobs, current use",
+                _obj({"tenants": {"type": "array", "items": _ref("Tenant")}}),
+            ),
+            "post": _admin_post(
+                "Create a tenant (admin; audited)",
+                _obj(
+                    {
+                        "name": {"type": _S, "maxLength": 63},
+                        "max_live": _QUOTA,
+                        "creates_per_minute": _QUOTA,
+                    },
+                    ["name"],
+                ),
+                _json(_ref("Tenant"), "Created"),
+                "201",
+            ),
+        },
+        "/api/tenants/{name}": {
+            "post": _admin_post(
+                "Change a tenant's quotas: the keys given, null for no limit (admin; audited)",
+                _obj({"max_live": _QUOTA, "creates_per_minute": _QUOTA}, []),
+                _json(_ref("Tenant")),
+                "200",
+                [_param("name", {"type": _S}, "path", required=True)],
+            )
+        },
+        "/api/jobs/{job}/tenant": {
+            "post": _admin_post(
+                "Move a job to a tenant, or to none with null (admin; audited)",
+                _obj({"tenant": _n(_S)}, ["tenant"]),
+                _json(_obj({"ok": {"type": _B}})),
+                "200",
+                [_param("job", {"type": _S}, "path", required=True)],
+            )
+        },
         "/api/jobs": _get(
             "Jobs: pacing, caps, pools and current usage",
             _obj({"pacing": _ref("Pacing"), "jobs": {"type": "array", "items": _ref("Job")}}),
@@ -295,6 +361,7 @@ def spec() -> dict[str, Any]:
                 "Pod": POD,
                 "Overview": OVERVIEW,
                 "Job": JOB,
+                "Tenant": TENANT,
                 "Pool": POOL,
                 "Pacing": PACING,
                 "Error": ERROR,

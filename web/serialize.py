@@ -16,7 +16,7 @@ SANDBOX_FIELDS = (
     "delete_attempts", "lease_expires_at", "requested_at", "creating_at", "ready_at",
     "acquired_at", "last_used_at", "releasing_at", "deleted_at", "failed_at", "abandoned_at",
     "enqueued_at", "acquire_latency_s", "create_to_ready_s", "image_pull_s", "start_s",
-    "last_error", "egress_denied", "egress_enforced", "readiness_simulated",
+    "last_error", "egress_denied", "egress_enforced", "readiness_simulated", "tenant",
 )  # fmt: skip
 EVENT_FIELDS = (
     "id", "at", "sandbox_id", "job", "pod_name", "nonce", "kind", "action", "from_state",

@@ -48,6 +48,7 @@ from broker.pools.store import WarmStore, parse_pools
 from broker.pools.upkeep import REFILL_BUDGET_S, Enqueue, PoolUpkeep
 from broker.settings import Settings
 from broker.wire import mailbox
+from broker.wire.errors import payload_details
 from broker.wire.request import AcquireRequest
 from broker.wire.types import Lease
 
@@ -67,8 +68,9 @@ def error_payload(exc: BaseException, request_id: str = "") -> dict[str, Any]:
         code, kind = "infrastructure_error", "InfrastructureError"
         message = f"internal broker error for request {request_id or '?'}: see the worker log"
     error: dict[str, Any] = {"code": code, "message": message, "type": kind}
-    if isinstance(exc, InvalidRequest) and exc.field is not None:
-        error["field"] = exc.field  # the trainer's InvalidRequest names the field too
+    if isinstance(exc, SandmanError):
+        # the trainer's error names the field, the wait, the tenant and quota too
+        error.update(payload_details(exc))
     return {"error": error}
 
 

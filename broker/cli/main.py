@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import TextIO
 
 import click
 
@@ -101,6 +102,33 @@ def db_check(ctx: click.Context) -> None:
         click.echo(f"schema drift: {exc}", err=True)
         sys.exit(1)
     click.echo("models and migrations agree")
+
+
+@db.command("auditor")
+@click.option(
+    "--password-file",
+    type=click.File("r"),
+    default=None,
+    help="Let sandman_auditor log in with the one line in this file ('-': stdin).",
+)
+@click.option("--nologin", is_flag=True, help="Take the auditor's login and password away.")
+@click.pass_context
+def db_auditor(ctx: click.Context, password_file: TextIO | None, nologin: bool) -> None:
+    """Turn the read-only sandman_auditor role's login on or off (docs/audit-sql.md)."""
+    from broker.errors import InvalidRequest
+    from broker.ledger.auditor import auditor_url, read_password, set_login
+
+    if (password_file is None) == (not nologin):
+        raise click.UsageError("give exactly one of --password-file and --nologin")
+    url = database_url(settings_of(ctx))
+    try:
+        set_login(url, None if password_file is None else read_password(password_file.read()))
+    except InvalidRequest as exc:
+        raise click.BadParameter(str(exc), param_hint="--password-file") from exc
+    if nologin:
+        click.echo("sandman_auditor: login off")
+    else:
+        click.echo(f"sandman_auditor: login on; connect to {auditor_url(url)}")
 
 
 @main.command("gc")
@@ -219,9 +247,9 @@ def egress_check(  # noqa: PLR0917 (click passes options positionally)
 
 
 def _register_subcommands() -> None:
-    from broker.cli import grading, images, replay, run, web
+    from broker.cli import grading, images, replay, run, tenants, web
 
-    for module in (run, grading, web, replay, images):
+    for module in (run, grading, web, replay, images, tenants):
         module.register(main)
 
 

@@ -168,6 +168,12 @@ def register(group: click.Group) -> None:
         help="Pull IMAGE ahead onto the job's nodes and keep it there (repeatable; "
         "warm-pool images are pre-pulled anyway).",
     )
+    @click.option(
+        "--tenant",
+        default=None,
+        metavar="NAME|none",
+        help="Move the job to this tenant (its quotas apply; audited); none: to no tenant.",
+    )
     @click.pass_context
     def job_create(  # noqa: PLR0917 (click passes options positionally)
         ctx: click.Context,
@@ -183,6 +189,7 @@ def register(group: click.Group) -> None:
         readiness_budget_s: float | None,
         egress: str | None,
         hot_images: tuple[str, ...],
+        tenant: str | None,
     ) -> None:
         """Create or update job NAME."""
         from broker.errors import SandmanError
@@ -221,6 +228,12 @@ def register(group: click.Group) -> None:
         try:
             with root.sessions.begin() as session:
                 store.ensure_job(session, name, **config)
+            if tenant is not None:
+                from broker.acquire import quotas
+                from broker.cli.tenants import actor
+
+                to = None if tenant.strip().lower() == "none" else tenant
+                quotas.assign_job(root.sessions, name, to, actor=actor())
             with root.sessions() as session:
                 row = store.get_job(session, name)
                 click.echo(
@@ -233,6 +246,7 @@ def register(group: click.Group) -> None:
                             "egress": row.egress,
                             "egress_allow": row.egress_allow,
                             "hot_images": row.hot_images,
+                            "tenant": row.tenant,
                         }
                     )
                 )

@@ -49,12 +49,30 @@ def _enum(cls: type[Any], name: str) -> Enum:
     )
 
 
+class Tenant(Base):
+    """A team that owns jobs, and its quotas over all of them together (None: no limit).
+
+    Read fresh at every admission (``Provider.intent``), so a change applies to the next
+    acquire; every change is an ``admin`` event (``broker.acquire.quotas``)."""
+
+    __tablename__ = "tenants"
+
+    name: Mapped[str] = mapped_column(String(63), primary_key=True)
+    max_live: Mapped[int | None] = mapped_column(Integer)  # live sandboxes, warm ones included
+    creates_per_minute: Mapped[int | None] = mapped_column(Integer)  # intents, sliding minute
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    updated_at: Mapped[dt.datetime] = mapped_column(
+        DateTime(timezone=True), default=utcnow, onupdate=utcnow
+    )
+
+
 class Job(Base):
     """A training or grading job: its pacing, caps, budgets and network policy."""
 
     __tablename__ = "jobs"
 
     name: Mapped[str] = mapped_column(String(63), primary_key=True)
+    tenant: Mapped[str | None] = mapped_column(ForeignKey("tenants.name"), index=True)
     create_rate: Mapped[float | None] = mapped_column(
         Float
     )  # per-job creates/s (None: global only)
@@ -88,6 +106,8 @@ class Sandbox(Base):
         Index("ix_sandboxes_lease", "lease_expires_at"),
         Index("ix_sandboxes_pool", "pool_key", "state"),
         Index("ix_sandboxes_requested_at", "requested_at"),
+        Index("ix_sandboxes_tenant_state", "tenant", "state"),
+        Index("ix_sandboxes_tenant_requested", "tenant", "requested_at"),
     )
 
     id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
@@ -136,6 +156,8 @@ class Sandbox(Base):
     egress_denied: Mapped[bool] = mapped_column(Boolean, default=False)
     egress_enforced: Mapped[bool | None] = mapped_column(Boolean)  # measured by the in-pod probe
     readiness_simulated: Mapped[bool] = mapped_column(Boolean, default=False)
+    # The job's tenant when the intent was admitted: quotas count it, audits bill it.
+    tenant: Mapped[str | None] = mapped_column(String(63))
 
 
 class Event(Base):
@@ -191,3 +213,34 @@ class Leak(Base):
     resolution: Mapped[str | None] = mapped_column(String(64))
     resolved_by: Mapped[str | None] = mapped_column(String(128))
     detail: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+
+
+class GcPass(Base):
+    """One GC pass's observed-versus-ledger counts, written by the pass itself.
+
+    Auditors read it (the ``audit.gc_passes`` view) to see every pass's pods against the
+    ledger's live rows over time, so it is append-only in the database: a trigger from
+    migration 0002 refuses UPDATE, DELETE and TRUNCATE, whoever asks."""
+
+    __tablename__ = "gc_passes"
+    __table_args__ = (Index("ix_gc_passes_started_at", "started_at"),)
+
+    id: Mapped[int] = mapped_column(
+        BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True
+    )
+    started_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True))
+    finished_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True))
+    installation: Mapped[str] = mapped_column(String(63))
+    namespace: Mapped[str] = mapped_column(String(63))
+    actor: Mapped[str] = mapped_column(String(128))
+    dry_run: Mapped[bool] = mapped_column(Boolean)
+    # Observed: every pod carrying our label keys (other installations' included) ...
+    pods_seen: Mapped[int] = mapped_column(Integer)
+    foreign_pods: Mapped[int] = mapped_column(Integer)
+    # ... against the ledger: this installation's rows in a live state when the pass read them.
+    live_rows: Mapped[int] = mapped_column(Integer)
+    unowned_pods: Mapped[int] = mapped_column(Integer)
+    late_pods: Mapped[int] = mapped_column(Integer)
+    dangling_rows: Mapped[int] = mapped_column(Integer)
+    actions: Mapped[int] = mapped_column(Integer)
+    errors: Mapped[int] = mapped_column(Integer)

@@ -100,6 +100,7 @@ def new_intent(
     token_hash: str | None = None,
     lease_expires_at: dt.datetime | None = None,
     egress_denied: bool = False,
+    tenant: str | None = None,
     actor: str = "broker",
     image_resolved: str | None = None,
 ) -> Sandbox:
@@ -123,6 +124,7 @@ def new_intent(
         lease_expires_at=lease_expires_at,
         egress_denied=egress_denied,
         image_resolved=image_resolved,
+        tenant=tenant,
         state=State.REQUESTED,
         requested_at=utcnow(),
         enqueued_at=spec.enqueued_utc,
@@ -139,7 +141,8 @@ def new_intent(
         action="intent",
         to_state=State.REQUESTED,
         actor=actor,
-        detail={"request_id": spec.request_id, "image": spec.image},
+        # ``owner``: the trainer that holds it from here (the audit.holds view reads it)
+        detail={"request_id": spec.request_id, "image": spec.image, "owner": spec.owner},
     )
     return row
 
@@ -241,6 +244,39 @@ def count_live_locked(session: Session, job: str) -> int:
             .where(Sandbox.job == job, Sandbox.state.in_([s.value for s in CAPPED_STATES]))
         )
         or 0
+    )
+
+
+def tenant_usage_locked(session: Session, tenant: str, since: dt.datetime) -> tuple[int, int]:
+    """``tenant``'s live rows and its intents since ``since``, counted under a per-tenant
+    transaction-scoped advisory lock: a count followed by an insert is atomic against
+    every worker admitting for any job of the tenant. Taken after the job's lock
+    (``count_live_locked``), always in that order, so two admissions never deadlock."""
+    session.execute(
+        text("SELECT pg_advisory_xact_lock(hashtext(:key))"), {"key": f"tenant:{tenant}"}
+    )
+    ours = Sandbox.tenant == tenant
+    live = session.scalar(
+        select(func.count())
+        .select_from(Sandbox)
+        .where(ours, Sandbox.state.in_([s.value for s in CAPPED_STATES]))
+    )
+    recent = session.scalar(
+        select(func.count()).select_from(Sandbox).where(ours, Sandbox.requested_at >= since)
+    )
+    return int(live or 0), int(recent or 0)
+
+
+def nth_intent_since(
+    session: Session, tenant: str, since: dt.datetime, n: int
+) -> dt.datetime | None:
+    """The request time of ``tenant``'s ``n``-th intent (from 0, oldest first) since ``since``."""
+    return session.scalar(
+        select(Sandbox.requested_at)
+        .where(Sandbox.tenant == tenant, Sandbox.requested_at >= since)
+        .order_by(Sandbox.requested_at)
+        .offset(n)
+        .limit(1)
     )
 
 

@@ -32,7 +32,7 @@ from broker import names
 from broker.backends.base import PodInfo
 from broker.errors import OwnershipError, SandmanError
 from broker.ledger import store
-from broker.ledger.models import Job, Leak, Sandbox, utcnow
+from broker.ledger.models import GcPass, Job, Leak, Sandbox, utcnow
 from broker.ledger.states import LIVE_STATES, State
 from broker.ownership.provider import Provider
 
@@ -106,14 +106,40 @@ def _gc_lock(session: Session) -> Iterator[bool]:
 def run_gc(provider: Provider, *, dry_run: bool = False) -> GcReport:
     """One pass. Safe to run from several processes: a second concurrent pass skips."""
     report = GcReport(dry_run=dry_run)
-    started = time.monotonic()
+    started, started_at = time.monotonic(), utcnow()
     with provider.sessions() as lock_session, _gc_lock(lock_session) as got:
         if not got:
             report.skipped_locked = True
             return report
         _pass(provider, report)
-    report.duration_s = time.monotonic() - started
+        report.duration_s = time.monotonic() - started
+        _record_pass(provider, report, started_at)
     return report
+
+
+def _record_pass(provider: Provider, report: GcReport, started_at: dt.datetime) -> None:
+    """Append the pass's observed-versus-ledger counts to ``gc_passes`` (append-only in the
+    database), still under the GC lock, so the rows of one installation never overlap.
+    A dry run is recorded too, marked: it observed as much as a real pass."""
+    with provider.sessions.begin() as session:
+        session.add(
+            GcPass(
+                started_at=started_at,
+                finished_at=utcnow(),
+                installation=provider.settings.installation_id,
+                namespace=provider.settings.namespace,
+                actor=provider.actor,
+                dry_run=report.dry_run,
+                pods_seen=report.pods_seen,
+                foreign_pods=len(report.foreign_pods),
+                live_rows=report.live_rows,
+                unowned_pods=len(report.unowned_pods),
+                late_pods=len(report.late_pods),
+                dangling_rows=len(report.dangling_rows),
+                actions=len(report.actions),
+                errors=len(report.errors),
+            )
+        )
 
 
 def _pass(provider: Provider, report: GcReport) -> None:

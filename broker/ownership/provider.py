@@ -39,11 +39,12 @@ from broker.errors import (
     KubeInvalid,
     KubeThrottled,
     KubeUnavailable,
+    QuotaExceeded,
     SandboxLost,
 )
 from broker.images import refs
 from broker.ledger import store
-from broker.ledger.models import Job, Sandbox, new_id, utcnow
+from broker.ledger.models import Job, Sandbox, Tenant, new_id, utcnow
 from broker.ledger.states import State
 from broker.ownership.tokens import broker_key, derive_token
 from broker.settings import Settings
@@ -56,6 +57,38 @@ log = logging.getLogger(__name__)
 MAX_CREATE_ATTEMPTS = 6
 DELETE_CONFIRM_S = 60.0
 JOB_TTL_S = 2.0
+
+
+QUOTA_WINDOW = dt.timedelta(minutes=1)  # what ``creates_per_minute`` counts over
+LIVE_QUOTA_RETRY_S = 1.0  # a hint: a live slot frees when one of the tenant's is released
+
+
+def check_quotas(session: Session, tenant: Tenant) -> None:
+    """Raise ``QuotaExceeded`` when one more intent would put ``tenant`` over a quota.
+
+    Counted under the tenant's advisory lock, held until the caller's transaction (which
+    inserts the intent) ends: concurrent admissions for any of its jobs never overshoot."""
+    now = utcnow()
+    since = now - QUOTA_WINDOW
+    live, recent = store.tenant_usage_locked(session, tenant.name, since)
+    if tenant.max_live is not None and live >= tenant.max_live:
+        raise QuotaExceeded(
+            f"tenant {tenant.name} holds {live} live sandboxes, its quota is {tenant.max_live}",
+            tenant=tenant.name,
+            quota="max_live",
+            retry_after=LIVE_QUOTA_RETRY_S,
+        )
+    limit = tenant.creates_per_minute
+    if limit is not None and recent >= limit:
+        # Room comes back when enough of the minute's intents age out of it.
+        oldest = store.nth_intent_since(session, tenant.name, since, recent - limit)
+        wait = ((oldest or now) + QUOTA_WINDOW - now).total_seconds()
+        raise QuotaExceeded(
+            f"tenant {tenant.name} made {recent} creates in the last minute, its quota is {limit}",
+            tenant=tenant.name,
+            quota="creates_per_minute",
+            retry_after=round(max(wait, 0.001), 3),
+        )
 
 
 @dataclass(eq=False)
@@ -99,8 +132,10 @@ class Provider:
         is: a redelivered message converges on the same sandbox), then refusals that
         write nothing (``abandoned``: the trainer cancelled while the message queued;
         ``AtCapacity``: the job's live cap, counted under a per-job advisory lock so
-        concurrent workers never overshoot it), then the intent row, COMMITTED before
-        any create. The request was validated when it was built (``AcquireRequest``).
+        concurrent workers never overshoot it; ``QuotaExceeded``: its tenant's quotas,
+        read fresh and counted the same way under a per-tenant lock), then the intent
+        row, COMMITTED before any create. The request was validated when it was built
+        (``AcquireRequest``).
         """
         with self.sessions.begin() as session:
             existing = store.by_request(session, spec.request_id)
@@ -121,6 +156,9 @@ class Provider:
                 live = store.count_live_locked(session, job.name)
                 if live >= job.max_live:
                     raise AtCapacity(f"job {job.name} is at its cap of {job.max_live} live pods")
+            tenant = session.get(Tenant, job.tenant) if job.tenant else None
+            if enforce_cap and tenant is not None:
+                check_quotas(session, tenant)
             sandbox_id, nonce = new_id(), store.new_nonce()
             token = derive_token(self._key, sandbox_id, nonce)
             margin = self.settings.create_lease_margin_s
@@ -136,6 +174,7 @@ class Provider:
                 # The creating lease bounds how long a dead worker can hold the row.
                 lease_expires_at=utcnow() + dt.timedelta(seconds=job.readiness_budget_s + margin),
                 egress_denied=sandbox_egress_denied(job, spec.egress),
+                tenant=job.tenant,
                 actor=self.actor,
                 image_resolved=resolved,
             )
@@ -421,7 +460,7 @@ class Provider:
                 kind="pool",
                 action="hand-out",
                 actor=self.actor,
-                detail={"request_id": request_id},
+                detail={"request_id": request_id, "owner": owner},
             )
             return row.job
 

@@ -18,7 +18,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from broker import names
-from broker.errors import AtCapacity
+from broker.errors import AtCapacity, QuotaExceeded
 from broker.ledger import store
 from broker.ledger.models import Job, Sandbox, utcnow
 from broker.ledger.states import State
@@ -150,7 +150,7 @@ class PoolUpkeep:
             request = cfg.member_request(job_name)
             try:
                 sandbox_id, _token = self.provider.intent(request)
-            except AtCapacity:  # warm pods count against the job's live cap too
+            except (AtCapacity, QuotaExceeded):  # warm pods count against both too
                 counts["at_cap"] = counts.get("at_cap", 0) + 1
                 return
             self.enqueue(Task.POOL_REFILL, [sandbox_id], names.queue_of(Task.POOL_REFILL))

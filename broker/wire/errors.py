@@ -24,12 +24,34 @@ def _error_classes() -> dict[str, type[SandmanError]]:
     return out
 
 
+# The details an error carries across the wire, and the type each must have: a value of
+# another type (a newer or broken worker) is dropped, never trusted.
+WIRE_DETAILS: dict[str, type | tuple[type, ...]] = {
+    "field": str,
+    "retry_after": (int, float),
+    "tenant": str,
+    "quota": str,
+}
+
+
+def payload_details(exc: SandmanError) -> dict[str, Any]:
+    """The wire details ``exc`` has set (class defaults of None are not sent)."""
+    return {
+        name: getattr(exc, name) for name in WIRE_DETAILS if getattr(exc, name, None) is not None
+    }
+
+
 def raise_payload_error(payload: dict[str, Any]) -> None:
-    """Re-raise a worker-side error as the same typed exception in the trainer."""
+    """Re-raise a worker-side error as the same typed exception in the trainer, with the
+    details its class declares (``InvalidRequest.field``, ``retry_after``...)."""
     error = payload.get("error") or {}
     cls = _error_classes().get(str(error.get("code")), errors.InfrastructureError)
     message = str(error.get("message") or error.get("code"))
-    field = error.get("field")
-    if issubclass(cls, errors.InvalidRequest) and isinstance(field, str):
-        raise cls(message, field=field)
-    raise cls(message)
+    details = {
+        name: error[name]
+        for name, kind in WIRE_DETAILS.items()
+        if hasattr(cls, name)
+        and isinstance(error.get(name), kind)
+        and not isinstance(error.get(name), bool)
+    }
+    raise cls(message, **details)

@@ -10,6 +10,8 @@ from typing import Any
 
 from flask import Blueprint, jsonify, request
 
+from broker.acquire import quotas
+from broker.errors import InvalidRequest
 from broker.ownership import leaks as leakops
 from web import listing, params, serialize, stats
 from web.openapi import spec
@@ -126,3 +128,47 @@ def event_list() -> Any:
     with root().sessions() as session:
         events, next_before = audit.run(session, search)
     return jsonify({"items": [serialize.event(e) for e in events], "next_before": next_before})
+
+
+def _body() -> dict[str, Any]:
+    body = request.get_json(silent=True)
+    return body if isinstance(body, dict) else {}
+
+
+def _quota_call(fn: Any, *args: Any, status: int = 200) -> Any:
+    """Run a quota change for the logged-in admin (the guard refused anyone else):
+    unknown names are 404, bad values 400, and the answer is the tenant as it is now."""
+    try:
+        view = fn(root().sessions, *args, actor=actor())
+    except LookupError as exc:  # UnknownTenant, UnknownJob
+        return error(404, "not_found", str(exc))
+    except InvalidRequest as exc:
+        return error(400, "bad_request", str(exc))
+    return jsonify(view.to_dict() if view is not None else {"ok": True}), status
+
+
+@bp.route("/tenants")
+def tenant_list() -> Any:
+    return jsonify({"tenants": [v.to_dict() for v in quotas.listing(root().sessions)]})
+
+
+@bp.route("/tenants", methods=["POST"])
+def tenant_create() -> Any:
+    body = _body()
+    name = body.pop("name", "")
+    if not isinstance(name, str):
+        return error(400, "bad_request", "name must be a string")
+    return _quota_call(quotas.create, name, body, status=201)
+
+
+@bp.route("/tenants/<name>", methods=["POST"])
+def tenant_set(name: str) -> Any:
+    return _quota_call(quotas.update, name, _body())
+
+
+@bp.route("/jobs/<job>/tenant", methods=["POST"])
+def job_tenant(job: str) -> Any:
+    tenant = _body().get("tenant")
+    if tenant is not None and not isinstance(tenant, str):
+        return error(400, "bad_request", "tenant must be a string or null")
+    return _quota_call(quotas.assign_job, job, tenant)

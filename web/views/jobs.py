@@ -8,6 +8,7 @@ from typing import Any
 from flask import Blueprint, render_template
 from sqlalchemy import select
 
+from broker.acquire import quotas
 from broker.errors import SandmanError
 from broker.ledger.models import Job
 from broker.pools.store import PoolConfig, parse_pools
@@ -39,6 +40,7 @@ class JobRow:
         j = self.job
         return {
             "name": j.name,
+            "tenant": j.tenant,
             "create_rate": j.create_rate,
             "create_burst": j.create_burst,
             "max_live": j.max_live,
@@ -116,6 +118,7 @@ def index() -> Any:
     return render_template(
         "jobs.html",
         jobs=job_rows(),
+        tenants=quotas.listing(root().sessions),
         pacing=global_pacing(),
         redis_error=root().redis_error,
     )

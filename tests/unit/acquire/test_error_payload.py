@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from broker.acquire.service import error_payload
-from broker.errors import CreateFailed, InfrastructureError, InvalidRequest
+from broker.errors import CreateFailed, InfrastructureError, InvalidRequest, QuotaExceeded
 from broker.ledger.db import make_engine
 from broker.wire.errors import raise_payload_error
 
@@ -44,3 +44,31 @@ def test_a_worker_side_invalid_request_names_its_field_in_the_trainer() -> None:
     with pytest.raises(InvalidRequest) as info:
         raise_payload_error(payload)
     assert info.value.field == "base_commit"
+
+
+def test_a_quota_refusal_reaches_the_trainer_with_its_tenant_quota_and_wait() -> None:
+    payload = error_payload(
+        QuotaExceeded("over", tenant="vision", quota="creates_per_minute", retry_after=12.5)
+    )
+    assert payload["error"]["retry_after"] == 12.5 and payload["error"]["tenant"] == "vision"
+    with pytest.raises(QuotaExceeded) as info:
+        raise_payload_error(payload)
+    exc = info.value
+    assert (exc.tenant, exc.quota, exc.retry_after_s) == ("vision", "creates_per_minute", 12.5)
+    assert exc.retryable and isinstance(exc, InfrastructureError)
+
+
+def test_wire_details_of_the_wrong_type_or_class_are_dropped() -> None:
+    payload = {
+        "error": {
+            "code": "quota_exceeded",
+            "message": "over",
+            "retry_after": "soon",
+            "tenant": 7,
+            "field": "x",  # QuotaExceeded has no field
+        }
+    }
+    with pytest.raises(QuotaExceeded) as info:
+        raise_payload_error(payload)
+    assert (info.value.retry_after_s, info.value.tenant) == (None, None)
+    assert not hasattr(info.value, "field")

@@ -13,8 +13,8 @@ from tests.support.web_app import ADMIN_TOKEN, ready_sandbox
 pytestmark = pytest.mark.unit
 
 
-def check(spec, path: str, status: str, body) -> None:
-    method = "post" if "post" in spec["paths"][path] else "get"
+def check(spec, path: str, status: str, body, method: str = "") -> None:
+    method = method or ("post" if "post" in spec["paths"][path] else "get")
     schema = spec["paths"][path][method]["responses"][status]["content"]["application/json"]
     OAS31Validator({**schema["schema"], "components": spec["components"]}).validate(body)
 
