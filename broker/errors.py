@@ -15,6 +15,7 @@ SandmanError                                                  retryable? (T/P)
 │   ├── UnknownJob(LookupError)                               P
 │   ├── EgressNotPermitted                                    P  a request allowing egress its job denies
 │   ├── UnknownTenant(LookupError)                            P
+│   ├── TenantExists                                          P  create of a tenant that exists (use set)
 │   ├── ImageNotFound(LookupError)          (images)          P  the image ref is not in the local store
 │   ├── ImageInvalid                        (images)          P  an archive or layer the store refuses
 │   └── TaskSpecError                       (grading.spec)    P  a task file that cannot be graded
@@ -120,6 +121,12 @@ class UnknownJob(InvalidRequest, LookupError):
 
 class UnknownTenant(InvalidRequest, LookupError):
     code = "unknown_tenant"
+
+
+class TenantExists(InvalidRequest):
+    """A create of a tenant name that is taken: a conflict (409), change it with set."""
+
+    code = "tenant_exists"
 
 
 class ImageNotFound(InvalidRequest, LookupError):

@@ -63,6 +63,11 @@ class LeakKind(StrEnum):
     FOREIGN_POD = "foreign_pod"
 
 
+# Tenant names, ASCII only: the OpenAPI document states the same pattern, so a name the
+# schema allows is never refused (str.isalnum would also accept "é").
+TENANT_NAME_PATTERN = r"^[A-Za-z0-9.-]{1,63}$"
+TENANT_MAX_QUOTA = 10_000_000  # the largest quota value the API accepts (null: no limit)
+
 # Pod labels: the GC trusts only pods whose installation label and nonce it wrote.
 LABEL_INSTALLATION = "sandman.io/installation"
 LABEL_JOB = "sandman.io/job"

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from broker import __version__
+from broker import __version__, names
 from broker.names import LeakKind
 
 
@@ -30,6 +30,11 @@ def _obj(props: dict[str, Any], required: list[str] | None = None) -> dict[str, 
         "properties": props,
         "required": list(props) if required is None else required,
     }
+
+
+def _closed(props: dict[str, Any], required: list[str] | None = None) -> dict[str, Any]:
+    """A request body whose unknown keys the server refuses (400), so the schema says so."""
+    return {**_obj(props, required), "additionalProperties": False}
 
 
 def _ref(name: str) -> dict[str, str]:
@@ -94,6 +99,7 @@ OVERVIEW = _obj(
         "warm_hit_rate": _n(_F), "leaks_open": _COUNTS, "leaks_open_total": {"type": _I},
     }
 )  # fmt: skip
+TENANT_NAME = names.TENANT_NAME_PATTERN
 TENANT = _obj(
     {
         "name": {"type": _S}, "max_live": _n(_I), "creates_per_minute": _n(_I),
@@ -101,7 +107,12 @@ TENANT = _obj(
         "creates_last_minute": {"type": _I},
     }
 )  # fmt: skip
-_QUOTA = {"type": ["integer", "null"], "minimum": 0, "description": "null: no limit"}
+_QUOTA = {
+    "type": ["integer", "null"],
+    "minimum": 0,
+    "maximum": names.TENANT_MAX_QUOTA,
+    "description": "null: no limit",
+}
 POOL = _obj(
     {
         "key": _n(_S), "image": _n(_S), "size": _n(_I), "idle_timeout_s": _n(_F),
@@ -146,8 +157,12 @@ def _admin_post(
     ok: dict[str, Any],
     ok_status: str,
     params: list[dict[str, Any]] | None = None,
+    *,
+    conflict: str | None = None,
 ) -> dict[str, Any]:
-    """An admin-only POST with a JSON body (viewer or failed CSRF: 403; unknown name: 404)."""
+    """An admin-only POST with a JSON body (viewer or failed CSRF: 403; unknown name: 404;
+    ``conflict``: what a 409 means, when the operation has one)."""
+    extra = {"409": _json(_ref("Error"), conflict)} if conflict else {}
     return {
         "summary": summary,
         "parameters": params or [],
@@ -157,6 +172,7 @@ def _admin_post(
             **_ERRORS,
             "403": _json(_ref("Error"), "Viewer role or failed CSRF check"),
             "404": _json(_ref("Error"), "No such tenant or job"),
+            **extra,
         },
     }
 
@@ -284,9 +300,9 @@ def spec() -> dict[str, Any]:
             ),
             "post": _admin_post(
                 "Create a tenant (admin; audited)",
-                _obj(
+                _closed(
                     {
-                        "name": {"type": _S, "maxLength": 63},
+                        "name": {"type": _S, "pattern": TENANT_NAME},
                         "max_live": _QUOTA,
                         "creates_per_minute": _QUOTA,
                     },
@@ -294,12 +310,16 @@ def spec() -> dict[str, Any]:
                 ),
                 _json(_ref("Tenant"), "Created"),
                 "201",
+                conflict="A tenant of that name exists (change it with POST /api/tenants/{name})",
             ),
         },
         "/api/tenants/{name}": {
             "post": _admin_post(
                 "Change a tenant's quotas: the keys given, null for no limit (admin; audited)",
-                _obj({"max_live": _QUOTA, "creates_per_minute": _QUOTA}, []),
+                {
+                    **_closed({"max_live": _QUOTA, "creates_per_minute": _QUOTA}, []),
+                    "minProperties": 1,
+                },
                 _json(_ref("Tenant")),
                 "200",
                 [_param("name", {"type": _S}, "path", required=True)],
@@ -308,7 +328,7 @@ def spec() -> dict[str, Any]:
         "/api/jobs/{job}/tenant": {
             "post": _admin_post(
                 "Move a job to a tenant, or to none with null (admin; audited)",
-                _obj({"tenant": _n(_S)}, ["tenant"]),
+                _closed({"tenant": {"type": [_S, "null"], "pattern": TENANT_NAME}}, ["tenant"]),
                 _json(_obj({"ok": {"type": _B}})),
                 "200",
                 [_param("job", {"type": _S}, "path", required=True)],

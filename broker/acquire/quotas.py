@@ -8,6 +8,7 @@ these functions, so a change is validated and audited one way whoever makes it.
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -15,14 +16,15 @@ from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
-from broker.errors import InvalidRequest, UnknownTenant
+from broker import names
+from broker.errors import InvalidRequest, TenantExists, UnknownTenant
 from broker.ledger import store
 from broker.ledger.models import Job, Sandbox, Tenant, utcnow
 from broker.ledger.states import CAPPED_STATES
 from broker.ownership.provider import QUOTA_WINDOW
 
 QUOTAS = ("max_live", "creates_per_minute")
-MAX_QUOTA = 10_000_000
+MAX_QUOTA = names.TENANT_MAX_QUOTA
 
 
 @dataclass(frozen=True)
@@ -41,7 +43,7 @@ class TenantView:
 
 
 def validate_name(name: str) -> str:
-    if not name or len(name) > 63 or not all(c.isalnum() or c in "-." for c in name):
+    if not isinstance(name, str) or not re.fullmatch(names.TENANT_NAME_PATTERN, name):
         raise InvalidRequest(
             f"tenant name {name!r} must be 1-63 chars of [A-Za-z0-9.-]", field="name"
         )
@@ -51,9 +53,11 @@ def validate_name(name: str) -> str:
 def validate_quotas(quotas: dict[str, Any]) -> dict[str, int | None]:
     """Only known quotas, each a whole number from 0 to MAX_QUOTA or None (no limit)."""
     out: dict[str, int | None] = {}
-    for key, value in quotas.items():
+    for key, given in quotas.items():
         if key not in QUOTAS:
             raise InvalidRequest(f"unknown quota {key!r}: one of {', '.join(QUOTAS)}", field=key)
+        # JSON's 4066.0 is the integer 4066 (as JSON Schema says)
+        value = int(given) if isinstance(given, float) and given.is_integer() else given
         ok = value is None or (
             isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_QUOTA
         )
@@ -93,7 +97,7 @@ def create(
 ) -> TenantView:
     """A new tenant with these quotas (the others: no limit)."""
     values = validate_quotas(quotas)
-    exists = InvalidRequest(f"tenant {name} exists: change it with set", field="name")
+    exists = TenantExists(f"tenant {name} exists: change it with set", field="name")
     try:
         with sessions.begin() as session:
             if session.get(Tenant, validate_name(name)) is not None:

@@ -11,7 +11,7 @@ from typing import Any
 from flask import Blueprint, jsonify, request
 
 from broker.acquire import quotas
-from broker.errors import InvalidRequest
+from broker.errors import InvalidRequest, TenantExists
 from broker.ownership import leaks as leakops
 from web import listing, params, serialize, stats
 from web.openapi import spec
@@ -142,6 +142,8 @@ def _quota_call(fn: Any, *args: Any, status: int = 200) -> Any:
         view = fn(root().sessions, *args, actor=actor())
     except LookupError as exc:  # UnknownTenant, UnknownJob
         return error(404, "not_found", str(exc))
+    except TenantExists as exc:
+        return error(409, "conflict", str(exc))
     except InvalidRequest as exc:
         return error(400, "bad_request", str(exc))
     return jsonify(view.to_dict() if view is not None else {"ok": True}), status

@@ -75,9 +75,12 @@ def test_bad_unknown_and_viewer_requests_are_refused_and_change_nothing(
         bad = _post(admin, f"/api/tenants/{name}", body)
         assert bad.status_code == 400, (body, bad.json)
         check(spec, "/api/tenants/{name}", "400", bad.json)
+    exists = _post(admin, "/api/tenants", {"name": name})
+    assert exists.status_code == 409, exists.json
+    check(spec, "/api/tenants", "409", exists.json)
     for path, body in (
-        ("/api/tenants", {"name": name}),  # exists
         ("/api/tenants", {"name": "no spaces"}),
+        ("/api/tenants", {"name": "é-accented"}),
         ("/api/tenants", {"name": 7}),
     ):
         assert _post(admin, path, body).status_code == 400, body
