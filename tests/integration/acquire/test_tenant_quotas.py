@@ -99,19 +99,20 @@ def test_live_quota_refuses_at_once_without_a_row_and_changes_at_run_time(
 def test_creates_per_minute_refuses_with_the_wait_until_a_create_leaves_the_minute(
     stack: Settings, client: SandboxClient, sessions: Any
 ) -> None:
-    tenant, (job,) = _tenant(sessions, 1, creates_per_minute=2)
-    for _ in range(2):
-        with client.acquire(job=job, **SHAPE):
-            pass
+    # A quota of 1: the refusal needs only ONE acquire inside the minute, so a slow,
+    # loaded machine cannot let the window slide past the first create.
+    tenant, (job,) = _tenant(sessions, 1, creates_per_minute=1)
+    with client.acquire(job=job, **SHAPE):
+        pass
     with pytest.raises(QuotaExceeded) as refused:
         client.open(job=job, **SHAPE)
     exc = refused.value
     assert (exc.tenant, exc.quota) == (tenant, "creates_per_minute")
     assert exc.retry_after_s is not None and 0 < exc.retry_after_s <= 60
-    assert _rows(sessions, tenant) == 2
+    assert _rows(sessions, tenant) == 1
     quotas.update(sessions, tenant, {"creates_per_minute": None}, actor="admin:test")
     with client.acquire(job=job, **SHAPE):
-        assert _rows(sessions, tenant) == 3
+        assert _rows(sessions, tenant) == 2
 
 
 def test_concurrent_acquires_of_several_jobs_never_exceed_the_tenant_live_quota(
