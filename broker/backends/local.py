@@ -525,6 +525,7 @@ class LocalBackend:
                     os.close(uplink_log)
                 with _children_lock:  # reaped like the sandbox, once it exits with it
                     _children[uplink.pid] = uplink
+                self.failpoint("after-uplink-start")
                 if egress.filtered:
                     localnet.install_allowlist(child, egress.allow)
         except BaseException:

@@ -28,6 +28,7 @@ from broker.errors import GuardMissing
 from broker.settings import Settings
 from broker.wire.execd import execd_answers
 from tests.support.factories import pod_spec
+from tests.support.uplinks import uplinks
 from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.integration
@@ -223,19 +224,7 @@ def test_a_denied_sandbox_without_its_guard_gets_no_egress(
 
 
 def _uplinks(backend: LocalBackend, name: str) -> list[int]:
-    """PIDs of ``name``'s uplink helpers, read from /proc independently of localprocs."""
-    prefix = f"{localprocs.MARK_ENV}={backend.mark_root}/".encode()
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            argv0 = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")[0]
-        except OSError:
-            continue
-        if argv0.startswith(prefix) and f"/{name}/".encode() in argv0:
-            found.append(int(entry))
-    return sorted(found)
+    return uplinks(backend.root.parent).get(name, [])
 
 
 def test_the_uplink_is_marked_and_dies_with_its_sandbox_whoever_kills_it(
@@ -246,10 +235,10 @@ def test_the_uplink_is_marked_and_dies_with_its_sandbox_whoever_kills_it(
     import signal
 
     _start(backend, "sm-up-1")
-    uplinks = _uplinks(backend, "sm-up-1")
-    assert len(uplinks) == 1, "one slirp4netns per sandbox with egress"
+    helpers = _uplinks(backend, "sm-up-1")
+    assert len(helpers) == 1, "one slirp4netns per sandbox with egress"
     scanned = {p.pid: (p.name, p.nonce) for p in localprocs.scan(backend.mark_root)}
-    assert scanned[uplinks[0]] == ("sm-up-1", "n-sm-up-1")
+    assert scanned[helpers[0]] == ("sm-up-1", "n-sm-up-1")
     meta = backend._load("sm-up-1")
     assert meta is not None
     os.killpg(int(meta["pid"]), signal.SIGKILL)  # the sandbox only, not the uplink
