@@ -147,6 +147,27 @@ def _wait_ready(proc: subprocess.Popen[bytes], ready_fd: int) -> None:
             raise KubeUnavailable(f"slirp4netns exited before it was ready (rc {proc.returncode})")
 
 
+def wait_loopback(child_pid: int) -> None:
+    """Wait until bubblewrap has set up the loopback of ``child_pid``'s namespace.
+
+    bubblewrap adds 127.0.0.1 to ``lo`` and then brings it up, in the sandbox's init,
+    after it has reported the init's pid; slirp4netns brings ``lo`` up too, and if it
+    wins that race the kernel adds 127.0.0.1 itself and bubblewrap's own add fails
+    (``loopback: Failed RTM_NEWADDR``: the sandbox dies at start, about 1 in 25 under
+    concurrent creates). The namespace's routing table (``/proc/<pid>/net/fib_trie``)
+    lists 127.0.0.1 only once ``lo`` is addressed and up, i.e. once bubblewrap is done."""
+    deadline = time.monotonic() + READY_S
+    while True:
+        try:
+            if "127.0.0.1" in Path(f"/proc/{child_pid}/net/fib_trie").read_text():
+                return
+        except OSError as exc:
+            raise KubeUnavailable(f"the sandbox's init {child_pid} is gone: {exc}") from exc
+        if time.monotonic() >= deadline:
+            raise KubeUnavailable(f"the sandbox's loopback is not up after {READY_S:.0f}s")
+        time.sleep(0.002)
+
+
 def start_uplink(child_pid: int, exit_fd: int, mark: str, log: int) -> subprocess.Popen[bytes]:
     """Start the slirp4netns of the sandbox whose namespace holds ``child_pid`` and wait
     until it has configured tap0. ``exit_fd`` is the read end of the sandbox's sync pipe:
@@ -154,6 +175,7 @@ def start_uplink(child_pid: int, exit_fd: int, mark: str, log: int) -> subproces
     slirp = shutil.which("slirp4netns")
     if slirp is None:
         raise KubeUnavailable("egress needs slirp4netns: apt-get install slirp4netns")
+    wait_loopback(child_pid)
     ready_r, ready_w = os.pipe()
     try:
         proc = subprocess.Popen(
