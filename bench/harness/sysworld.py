@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from bench.harness.sysstack import JOB, LOCAL_FAULT_KINDS, Config, Stack
+from bench.harness.sysstack import JOB, KUBE_FAULT_KINDS, LOCAL_FAULT_KINDS, Config, Stack
 
 # Which worker reaches which failpoint: creates run on the acquire worker, releases and
 # their deletes on the control worker.
@@ -59,7 +59,7 @@ def running_local_sandboxes(state_dir: Path) -> set[str]:
 class KubeWorld:
     """kwok pods on the local cluster, behind the fault proxy."""
 
-    kinds_allowed: tuple[str, ...] | None = None  # every fault kind applies
+    kinds_allowed: tuple[str, ...] | None = KUBE_FAULT_KINDS
     points = CREATE_POINTS + RELEASE_POINTS
 
     def __init__(self, cfg: Config, stack: Stack) -> None:
@@ -150,6 +150,12 @@ class LocalWorld:
         from broker.backends.local import LocalBackend
 
         return LocalBackend(self.stack.settings)
+
+    def execd_ports(self) -> list[int]:
+        """The host-side ports of the sandboxes' execd that run now (flood targets)."""
+        from bench.harness.execdflood import live_execd_ports
+
+        return live_execd_ports(Path(self.stack.settings.state_dir) / "local-pods")
 
     def running(self) -> set[str]:
         return running_local_sandboxes(self.cfg.state_dir)

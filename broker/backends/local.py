@@ -493,7 +493,11 @@ class LocalBackend:
             _children[proc.pid] = proc
         _reap_exited()
         self.failpoint("after-sandbox-start")
-        child = self._read_info(fds.take_info())
+        try:
+            child = self._read_info(fds.take_info())
+        except BaseException:
+            fds.close_parent_ends()  # bwrap goes on; the provider's failure path deletes it
+            raise
         self._connect(spec, mark, fds, child, egress)
         meta.update(pid=proc.pid, child_pid=child)
         # A cache (without it `get` scans instead), written under the record's lock and
