@@ -532,10 +532,12 @@ class LocalBackend:
                 self.failpoint("after-uplink-start")
                 if egress.filtered:
                     localnet.install_allowlist(child, egress.allow)
-        except BaseException:
+        except BaseException as exc:
             with contextlib.suppress(Exception):  # killed while still blocked
                 self.delete(spec.namespace, spec.name, spec.nonce)
             fds.close_parent_ends()
+            if isinstance(exc, (OSError, subprocess.SubprocessError)):
+                raise KubeUnavailable(f"local pod {spec.name}: no uplink: {exc}") from exc
             raise
         localnet.release(fds.block_write)
         fds.close_parent_ends()

@@ -27,6 +27,7 @@ delete, the GC and ``sandman audit`` see it.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import ipaddress
 import json
 import os
@@ -96,6 +97,8 @@ class Guards:
             raise GuardMissing("egress allow-lists need iptables: apt-get install iptables")
         if nets and shutil.which("slirp4netns") is None:
             raise GuardMissing("egress allow-lists need slirp4netns: apt-get install slirp4netns")
+        if nets and os.geteuid() != 0:
+            raise GuardMissing("egress allow-lists need root (iptables in the sandbox's netns)")
         self.folder.mkdir(parents=True, exist_ok=True)
         path = self._path(namespace, job)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
@@ -168,6 +171,22 @@ def wait_loopback(child_pid: int) -> None:
         time.sleep(0.002)
 
 
+NS_GET_USERNS = 0xB701  # ioctl: the user namespace that owns a namespace
+
+
+def _owner_userns(child_pid: int) -> int:
+    """A descriptor of the user namespace owning ``child_pid``'s network namespace.
+
+    Unprivileged, bubblewrap creates the network namespace in a user namespace of its
+    own (not the one its init ends up in): slirp4netns must join that one to enter the
+    network namespace. As root there is none to join (the host's own)."""
+    netns = os.open(f"/proc/{child_pid}/ns/net", os.O_RDONLY)
+    try:
+        return int(fcntl.ioctl(netns, NS_GET_USERNS))
+    finally:
+        os.close(netns)
+
+
 def start_uplink(child_pid: int, exit_fd: int, mark: str, log: int) -> subprocess.Popen[bytes]:
     """Start the slirp4netns of the sandbox whose namespace holds ``child_pid`` and wait
     until it has configured tap0. ``exit_fd`` is the read end of the sandbox's sync pipe:
@@ -176,6 +195,8 @@ def start_uplink(child_pid: int, exit_fd: int, mark: str, log: int) -> subproces
     if slirp is None:
         raise KubeUnavailable("egress needs slirp4netns: apt-get install slirp4netns")
     wait_loopback(child_pid)
+    userns = -1 if os.geteuid() == 0 else _owner_userns(child_pid)
+    extra = [f"--userns-path=/proc/self/fd/{userns}"] if userns >= 0 else []
     ready_r, ready_w = os.pipe()
     try:
         proc = subprocess.Popen(
@@ -184,6 +205,7 @@ def start_uplink(child_pid: int, exit_fd: int, mark: str, log: int) -> subproces
                 "--configure",
                 "--mtu=65520",
                 "--disable-host-loopback",
+                *extra,
                 f"--exit-fd={exit_fd}",
                 f"--ready-fd={ready_w}",
                 str(child_pid),
@@ -194,7 +216,7 @@ def start_uplink(child_pid: int, exit_fd: int, mark: str, log: int) -> subproces
             stdout=log,
             stderr=log,
             start_new_session=True,
-            pass_fds=(exit_fd, ready_w),
+            pass_fds=(exit_fd, ready_w, *([userns] if userns >= 0 else [])),
         )
         os.close(ready_w)
         ready_w = -1
@@ -206,9 +228,9 @@ def start_uplink(child_pid: int, exit_fd: int, mark: str, log: int) -> subproces
             raise
         return proc
     finally:
-        os.close(ready_r)
-        if ready_w >= 0:
-            os.close(ready_w)
+        for fd in (ready_r, ready_w, userns):
+            if fd >= 0:
+                os.close(fd)
 
 
 def install_allowlist(child_pid: int, allow: tuple[str, ...]) -> None:
