@@ -47,6 +47,7 @@ from broker.wire.execd import execd_answers  # noqa: E402
 NAMESPACE = "sandman-bench-images"
 REAL = {"sandman.io/node-kind": "real"}
 LIB = REPO / "deploy/localcluster/lib.sh"
+KEEP = ("localhost/sandman-pause:", "localhost/sandman-broker:")  # never removed
 
 
 def cluster_vars() -> dict[str, str]:
@@ -71,10 +72,19 @@ def push(cv: dict[str, str], tarball: Path, name: str, hostport: str) -> str:
 
 
 def remove_from_node(cv: dict[str, str], image: str) -> None:
-    subprocess.run(
-        [cv["crictl"], "--runtime-endpoint", f"unix://{cv['sock']}", "rmi", image],
-        capture_output=True, check=False,
-    )  # fmt: skip
+    """Take every task image off the real node, content included, so the next create
+    pulls all its layers: every image record except the pause and broker images (task
+    images share their base layer, which would otherwise stay), removed with ``--sync``
+    so containerd's garbage collection has deleted the blobs before we go on."""
+    ctr = ["ctr", "--address", cv["sock"], "-n", "k8s.io"]
+    listing = subprocess.run(
+        [*ctr, "images", "ls"], check=True, capture_output=True, text=True
+    ).stdout.splitlines()[1:]
+    rows = [line.split() for line in listing if line.strip()]
+    keep = {row[2] for row in rows if row[0].startswith(KEEP)}
+    doomed = [row[0] for row in rows if row[2] not in keep]
+    if doomed:
+        subprocess.run([*ctr, "images", "rm", "--sync", *doomed], check=True, capture_output=True)
 
 
 def big_image(base_layer: Path, workdir: Path, mb: int, ref: str) -> Path:
