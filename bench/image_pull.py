@@ -47,7 +47,7 @@ from broker.wire.execd import execd_answers  # noqa: E402
 NAMESPACE = "sandman-bench-images"
 REAL = {"sandman.io/node-kind": "real"}
 LIB = REPO / "deploy/localcluster/lib.sh"
-KEEP = ("localhost/sandman-pause:", "localhost/sandman-broker:")  # never removed
+KEEP = ("localhost/sandman-pause:",)  # never removed (the runtime needs it to pull)
 
 
 def cluster_vars() -> dict[str, str]:
@@ -72,10 +72,11 @@ def push(cv: dict[str, str], tarball: Path, name: str, hostport: str) -> str:
 
 
 def remove_from_node(cv: dict[str, str], image: str) -> None:
-    """Take every task image off the real node, content included, so the next create
-    pulls all its layers: every image record except the pause and broker images (task
-    images share their base layer, which would otherwise stay), removed with ``--sync``
-    so containerd's garbage collection has deleted the blobs before we go on."""
+    """Take every image but pause off the real node, content and unpacked layers
+    included, so the next create pulls all its layers: task images share their base
+    layer with each other and with the broker image (imported by test_deploy, which
+    re-imports it when it is missing), so removing only the measured image would leave
+    most of its bytes. ``--sync`` waits for containerd's garbage collection."""
     ctr = ["ctr", "--address", cv["sock"], "-n", "k8s.io"]
     listing = subprocess.run(
         [*ctr, "images", "ls"], check=True, capture_output=True, text=True
