@@ -194,6 +194,33 @@ class CreateFailed(InfrastructureError, PermanentError):
     code = "create_failed"
 
 
+class SnapshotNotFound(InvalidRequest, LookupError):
+    """No ready, unexpired snapshot has this id (never taken, removed, or collected)."""
+
+    code = "snapshot_not_found"
+
+
+class SnapshotQuotaExceeded(PermanentError):
+    """The job's snapshots would hold more than its ``snapshot_bytes`` quota; nothing was
+    written. Remove or let expire older snapshots (``sandman snapshot rm``)."""
+
+    code = "snapshot_quota_exceeded"
+
+
+class SnapshotFailed(InfrastructureError, TemporaryError):
+    """A capture could not complete (a file changed while it was read, execd went away);
+    the partial snapshot is collected by the GC. Taking it again can succeed."""
+
+    code = "snapshot_failed"
+
+
+class SnapshotCorrupt(InfrastructureError, PermanentError):
+    """A restore did not match its snapshot (a blob's SHA-256 or size differed, or the
+    restored tree did not verify); the sandbox it went into was released."""
+
+    code = "snapshot_corrupt"
+
+
 class ForeignPod(CreateFailed):
     """A pod with our deterministic name carries another nonce or installation.
 

@@ -67,6 +67,10 @@ class Settings:
     idle_timeout_s: float = 300.0
     gc_interval_s: float = 30.0
     max_reuses: int = 8
+    # Snapshots (broker/snapshots): how long one lives unless the caller says otherwise,
+    # and how long the GC spares a capture in progress and a blob no manifest names yet.
+    snapshot_ttl_s: float = 86400.0
+    snapshot_grace_s: float = 600.0
     execd_port: int = 8080
     web_host: str = "127.0.0.1"
     web_port: int = 8000
