@@ -152,6 +152,7 @@ class Broker:
                 self.sessions,
                 default_store(self.settings.state_dir),
                 self.provider.token_for,
+                installation=self.settings.installation_id,
                 default_ttl_s=self.settings.snapshot_ttl_s,
                 failpoint=failpoints.armed(self.settings.failpoint),
             )

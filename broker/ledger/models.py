@@ -264,6 +264,8 @@ class Snapshot(Base):
 
     id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
     job: Mapped[str] = mapped_column(ForeignKey("jobs.name"), index=True)
+    # Whose store holds its blobs: the GC and the audit of one installation see only its own.
+    installation: Mapped[str] = mapped_column(String(63))
     sandbox_id: Mapped[str | None] = mapped_column(String(32))  # the sandbox it was taken of
     image: Mapped[str] = mapped_column(String(512))
     image_digest: Mapped[str | None] = mapped_column(String(128))

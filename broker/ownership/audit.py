@@ -76,7 +76,11 @@ def run_audit(provider: Provider) -> AuditReport:
             select(Leak.kind, func.count()).where(Leak.resolved_at.is_(None)).group_by(Leak.kind)
         ):
             report.leaks_open[kind] = int(count)
-    report.snapshots = snapshot_audit(provider.sessions, default_store(provider.settings.state_dir))
+    report.snapshots = snapshot_audit(
+        provider.sessions,
+        default_store(provider.settings.state_dir),
+        installation=provider.settings.installation_id,
+    )
     return report
 
 

@@ -132,6 +132,7 @@ def _collect_snapshots(provider: Provider, report: GcReport) -> None:
         done = collect(
             provider.sessions,
             default_store(settings.state_dir),
+            installation=settings.installation_id,
             grace_s=settings.snapshot_grace_s,
         )
     except Exception as exc:

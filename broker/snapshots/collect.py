@@ -41,17 +41,20 @@ class Collected:
         return asdict(self)
 
 
-def collect(sessions: sessionmaker[Session], store: FsBlobStore, *, grace_s: float) -> Collected:
+def collect(
+    sessions: sessionmaker[Session], store: FsBlobStore, *, installation: str, grace_s: float
+) -> Collected:
     out = Collected()
     now = utcnow()
     stale = now - dt.timedelta(seconds=grace_s)
     with sessions.begin() as session:
         doomed = session.execute(
             select(Snapshot.id, Snapshot.state).where(
+                Snapshot.installation == installation,
                 or_(
                     (Snapshot.state == READY) & (Snapshot.expires_at <= now),
                     Snapshot.state.in_((CAPTURING, FAILED)) & (Snapshot.created_at <= stale),
-                )
+                ),
             )
         ).all()
         for snap_id, state in doomed:
@@ -66,7 +69,7 @@ def collect(sessions: sessionmaker[Session], store: FsBlobStore, *, grace_s: flo
                 .where(Snapshot.id.in_([d[0] for d in doomed]))
                 .values(state=DELETED, deleted_at=now)
             )
-    live = _live_ids(sessions)
+    live = _live_ids(sessions, installation)
     for snap_id in store.manifests():
         if snap_id not in live:
             store.delete_manifest(snap_id)
@@ -82,10 +85,15 @@ def collect(sessions: sessionmaker[Session], store: FsBlobStore, *, grace_s: flo
     return out
 
 
-def _live_ids(sessions: sessionmaker[Session]) -> set[str]:
+def _live_ids(sessions: sessionmaker[Session], installation: str) -> set[str]:
     with sessions() as session:
         return set(
-            session.scalars(select(Snapshot.id).where(Snapshot.state.in_((READY, CAPTURING))))
+            session.scalars(
+                select(Snapshot.id).where(
+                    Snapshot.installation == installation,
+                    Snapshot.state.in_((READY, CAPTURING)),
+                )
+            )
         )
 
 
@@ -98,10 +106,18 @@ def _referenced(store: FsBlobStore, ids: set[str]) -> set[str]:
     return wanted
 
 
-def audit(sessions: sessionmaker[Session], store: FsBlobStore) -> dict[str, Any]:
+def audit(
+    sessions: sessionmaker[Session], store: FsBlobStore, *, installation: str
+) -> dict[str, Any]:
     """Rows without blobs, blobs and manifests without rows (ids, sorted)."""
     with sessions() as session:
-        ready = sorted(session.scalars(select(Snapshot.id).where(Snapshot.state == READY)))
+        ready = sorted(
+            session.scalars(
+                select(Snapshot.id).where(
+                    Snapshot.installation == installation, Snapshot.state == READY
+                )
+            )
+        )
     blobs = {sha for sha, _ in store.blobs()}
     broken = []
     wanted: set[str] = set()
@@ -111,7 +127,7 @@ def audit(sessions: sessionmaker[Session], store: FsBlobStore) -> dict[str, Any]
         wanted |= need
         if manifest is None or need - blobs:
             broken.append(snap_id)
-    live = _live_ids(sessions)
+    live = _live_ids(sessions, installation)
     return {
         "snapshot_rows": len(ready),
         "rows_without_blobs": broken,

@@ -88,12 +88,14 @@ class SnapshotService:
         store: BlobStore,
         token_for: Callable[[Sandbox], str],
         *,
+        installation: str,
         default_ttl_s: float = 86400.0,
         failpoint: Callable[[str], None] = failpoints.off,
         http: httpx.Client | None = None,
     ) -> None:
         self.sessions = sessions
         self.store = store
+        self.installation = installation
         self.token_for = token_for
         self.default_ttl_s = default_ttl_s
         self.failpoint = failpoint
@@ -223,6 +225,7 @@ class SnapshotService:
                     )
             snap = Snapshot(
                 job=row.job,
+                installation=self.installation,
                 sandbox_id=row.id,
                 image=row.image,
                 image_digest=image_of(row),
@@ -301,7 +304,11 @@ class SnapshotService:
 
     def rows(self, *, job: str | None = None, every: bool = False) -> list[dict[str, Any]]:
         with self.sessions() as session:
-            q = select(Snapshot).order_by(Snapshot.created_at, Snapshot.id)
+            q = (
+                select(Snapshot)
+                .where(Snapshot.installation == self.installation)
+                .order_by(Snapshot.created_at, Snapshot.id)
+            )
             if job is not None:
                 q = q.where(Snapshot.job == job)
             if not every:

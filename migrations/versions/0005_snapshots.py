@@ -22,6 +22,7 @@ def upgrade() -> None:
         "snapshots",
         sa.Column("id", sa.String(32), primary_key=True),
         sa.Column("job", sa.String(63), sa.ForeignKey("jobs.name"), nullable=False),
+        sa.Column("installation", sa.String(63), nullable=False),
         sa.Column("sandbox_id", sa.String(32), nullable=True),
         sa.Column("image", sa.String(512), nullable=False),
         sa.Column("image_digest", sa.String(128), nullable=True),

@@ -17,7 +17,7 @@ import pytest
 
 from broker.errors import SandmanError
 from broker.ledger import store
-from tests.integration.client.test_transports import Handle, Trainer, make_trainer  # noqa: F401
+from tests.integration.client.test_transports import Handle, Trainer
 from tests.support.images import SWE_IMAGE
 
 pytestmark = pytest.mark.integration
@@ -68,7 +68,7 @@ def test_fork_carries_every_change_and_forks_are_independent(
     make_trainer: Callable[..., Trainer], sessions: Any
 ) -> None:
     trainer = make_trainer(owner="fork")
-    job = _job(sessions, "fork")
+    job = _job(sessions, f"fork-{trainer.flavour}")
     sb = trainer.open(image=SWE_IMAGE, job=job, workdir="/repo", timeout=120)
     forks: list[Any] = []
     try:

@@ -1,0 +1,120 @@
+"""Snapshots are owned like pods: verified restores, quotas, expiry, dedup, the audit.
+
+Real stack (PostgreSQL, Redis, a Celery worker, execd in bubblewrap); the blob store is
+the worker's, in the stack's state dir, which the test reads and, to corrupt a blob,
+writes behind the broker's back.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from sqlalchemy import select
+
+from broker.errors import SnapshotCorrupt, SnapshotNotFound, SnapshotQuotaExceeded
+from broker.ledger import store
+from broker.ledger.models import Sandbox, Snapshot, utcnow
+from broker.ledger.states import State
+from broker.settings import Settings
+from broker.snapshots.collect import audit, collect
+from broker.snapshots.store import FsBlobStore, default_store
+from tests.integration.client.test_transports import Trainer
+from tests.support.images import TASK_IMAGE
+from tests.support.wait import wait_until
+
+pytestmark = pytest.mark.integration
+
+
+def _job(sessions: Any, name: str, **config: Any) -> str:
+    with sessions.begin() as session:
+        store.ensure_job(session, name, **config)
+    return name
+
+
+def _blobs(stack: Settings) -> FsBlobStore:
+    return default_store(stack.state_dir)
+
+
+def _live_sandboxes(sessions: Any, job: str) -> list[str]:
+    with sessions() as session:
+        return sorted(
+            session.scalars(
+                select(Sandbox.id).where(Sandbox.job == job, Sandbox.state != State.DELETED)
+            )
+        )
+
+
+def test_a_corrupted_blob_fails_the_restore_and_releases_its_sandbox(
+    make_trainer: Callable[..., Trainer], sessions: Any, stack: Settings
+) -> None:
+    trainer = make_trainer(owner="corrupt")
+    job = _job(sessions, f"corrupt-{trainer.flavour}")
+    content = b"the only copy of this content: %s\n" % job.encode()
+    sb = trainer.open(image=TASK_IMAGE, job=job, timeout=60)
+    try:
+        sb.write_file("/workspace/data.bin", content)
+        snap = sb.snapshot()
+    finally:
+        sb.release()
+    wait_until(lambda: not _live_sandboxes(sessions, job), what="source released")
+    blob = _blobs(stack)._blob(hashlib.sha256(content).hexdigest())
+    blob.write_bytes(b"X" + content[1:])  # same size, other bytes
+    with pytest.raises(SnapshotCorrupt, match="blob_mismatch"):
+        trainer.client.resume(snap.id)
+    wait_until(lambda: not _live_sandboxes(sessions, job), what="the failed restore released")
+
+
+def test_quota_refuses_before_anything_is_written(
+    make_trainer: Callable[..., Trainer], sessions: Any
+) -> None:
+    trainer = make_trainer(owner="quota")
+    job = _job(sessions, f"snap-quota-{trainer.flavour}", snapshot_bytes=100)
+    sb = trainer.open(image=TASK_IMAGE, job=job, timeout=60)
+    try:
+        sb.write_file("/workspace/small", b"x" * 60)
+        first = sb.snapshot()
+        assert first.size == 60
+        with pytest.raises(SnapshotQuotaExceeded):
+            sb.snapshot()  # 60 + 60 > 100
+    finally:
+        sb.release()
+    with sessions() as session:
+        rows = session.scalars(select(Snapshot.id).where(Snapshot.job == job)).all()
+    assert list(rows) == [first.id]
+
+
+def test_identical_files_are_stored_once_and_expired_snapshots_are_collected(
+    make_trainer: Callable[..., Trainer], sessions: Any, stack: Settings
+) -> None:
+    trainer = make_trainer(owner="expiry")
+    job = _job(sessions, f"snap-expiry-{trainer.flavour}")
+    content = b"stored once: %s\n" % job.encode()
+    sha = hashlib.sha256(content).hexdigest()
+    sb = trainer.open(image=TASK_IMAGE, job=job, timeout=60)
+    try:
+        sb.write_file("/workspace/a", content)
+        sb.write_file("/workspace/b", content)
+        first = sb.snapshot(ttl_s=1)
+        second = sb.snapshot(ttl_s=1)
+    finally:
+        sb.release()
+    assert (first.files, first.stored) == (2, len(content))  # two paths, one blob
+    assert second.stored == 0
+    blobs = _blobs(stack)
+    assert blobs.has(sha)
+    wait_until(lambda: utcnow().isoformat() > max(first.expires or "", second.expires or ""))
+    done = collect(sessions, blobs, installation=stack.installation_id, grace_s=0)
+    assert done.expired >= 2
+    with sessions() as session:
+        states = sorted(session.scalars(select(Snapshot.state).where(Snapshot.job == job)).all())
+    assert states == ["deleted", "deleted"]
+    assert not blobs.has(sha)
+    assert blobs.manifest(first.id) is None
+    with pytest.raises(SnapshotNotFound):
+        trainer.client.describe(first.id)
+    report = audit(sessions, blobs, installation=stack.installation_id)
+    assert report["rows_without_blobs"] == []
+    assert report["manifests_without_rows"] == []
