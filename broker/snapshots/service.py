@@ -296,7 +296,7 @@ class SnapshotService:
         """Delete the row's manifest and mark it deleted; its blobs go with the sweep."""
         with self.sessions() as session:
             snap = session.get(Snapshot, snapshot_id)
-            if snap is None or snap.state == DELETED:
+            if snap is None or snap.state == DELETED or snap.installation != self.installation:
                 return False
         self.store.delete_manifest(snapshot_id)
         self._settle(snapshot_id, DELETED)

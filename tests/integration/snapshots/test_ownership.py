@@ -8,12 +8,15 @@ writes behind the broker's back.
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Callable
 from typing import Any
 
 import pytest
+from click.testing import CliRunner
 from sqlalchemy import select
 
+from broker.cli.main import main
 from broker.errors import SnapshotCorrupt, SnapshotNotFound, SnapshotQuotaExceeded
 from broker.ledger import store
 from broker.ledger.models import Sandbox, Snapshot, utcnow
@@ -118,3 +121,33 @@ def test_identical_files_are_stored_once_and_expired_snapshots_are_collected(
     report = audit(sessions, blobs, installation=stack.installation_id)
     assert report["rows_without_blobs"] == []
     assert report["manifests_without_rows"] == []
+
+
+def test_snapshot_cli_lists_and_removes(
+    make_trainer: Callable[..., Trainer],
+    sessions: Any,
+    stack: Settings,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    trainer = make_trainer(owner="cli")
+    for name in ("database_url", "state_dir", "installation_id", "secret_key"):
+        monkeypatch.setenv(f"SANDMAN_{name.upper()}", str(getattr(stack, name)))
+    job = f"snap-cli-{trainer.flavour}"
+    made = CliRunner().invoke(main, ["job", "create", job, "--snapshot-bytes", "1000"])
+    assert made.exit_code == 0, made.output
+    sb = trainer.open(image=TASK_IMAGE, job=job, timeout=60)
+    try:
+        sb.write_file("/workspace/f", b"cli")
+        snap = sb.snapshot()
+    finally:
+        sb.release()
+    listed = CliRunner().invoke(main, ["snapshot", "ls", "--job", job, "--json"])
+    assert listed.exit_code == 0, listed.output
+    assert [(r["id"], r["size"]) for r in json.loads(listed.output)] == [(snap.id, 3)]
+    removed = CliRunner().invoke(main, ["snapshot", "rm", snap.id])
+    assert removed.exit_code == 0, removed.output
+    assert _blobs(stack).manifest(snap.id) is None
+    again = CliRunner().invoke(main, ["snapshot", "rm", snap.id])
+    assert again.exit_code != 0 and "no such snapshot" in again.output
+    with pytest.raises(SnapshotNotFound):
+        trainer.client.resume(snap.id)
