@@ -79,15 +79,25 @@ class Snapshots:
         self.workdir = workdir
         self.rundir = rundir
         self.umask = umask
+        # What prepare saw and put wrote (absolute paths): finish's verify re-hashes only
+        # files whose stat changed since (the state-check's carry-over), so a restore
+        # hashes each byte it writes once, not twice.
+        self._known: Dict[str, treescan.Entry] = {}
 
     def _skip(self, root: str) -> List[str]:
         rel = os.path.relpath(self.rundir, root)
         return [] if rel.startswith("..") else [rel]
 
-    def _scan(self, roots: List[str]) -> Dict[str, treescan.Entry]:
+    def _scan(
+        self, roots: List[str], known: Optional[Dict[str, treescan.Entry]] = None
+    ) -> Dict[str, treescan.Entry]:
         tree: Dict[str, treescan.Entry] = {}
         for root in roots:
-            for rel, e in treescan.scan(root, self._skip(root)).items():
+            prev = None
+            if known:
+                prefix = root + "/"
+                prev = {p[len(prefix) :]: e for p, e in known.items() if p.startswith(prefix)}
+            for rel, e in treescan.scan(root, self._skip(root), prev).items():
                 tree[_join(root, rel)] = e
         return tree
 
@@ -170,6 +180,7 @@ class Snapshots:
                     if old is not None:
                         os.unlink(path)  # a read-only old version must not block the put
                     need.append({"p": path, "d": w["d"], "s": w["s"]})
+        self._known = {p: e for p, e in cur.items() if p not in gone and not _under(p, gone)}
         return {"need": need, "deleted": len(gone)}
 
     def put(self, req: Request, stream: Any) -> Doc:
@@ -198,6 +209,11 @@ class Snapshots:
                 % (path, result["sha256"], sha),
                 "blob_mismatch",
             )
+        st = os.lstat(path)
+        self._known[path] = treescan.Entry(
+            "f", stat.S_IMODE(st.st_mode), st.st_size, st.st_mtime_ns, st.st_ctime_ns,
+            st.st_ino, st.st_uid, st.st_gid, sha,
+        )  # fmt: skip
         return {"ok": True, "size": size}
 
     def finish(self, doc: Doc) -> Doc:
@@ -211,12 +227,13 @@ class Snapshots:
                         continue
                     _remove(path, "d" if os.path.isdir(path) and not os.path.islink(path) else "f")
                 os.symlink(w["d"], path)
-            elif w["k"] == "f":
-                os.chmod(path, w["m"])
+            elif w["k"] == "f" and stat.S_IMODE(os.lstat(path).st_mode) != w["m"]:
+                os.chmod(path, w["m"])  # only when needed: a chmod costs the verify a re-hash
         for path in sorted(want, key=len, reverse=True):  # a read-only parent last
             if want[path]["k"] == "d":
                 os.chmod(path, want[path]["m"])
-        wrong = _compare(want, self._scan(roots))
+        wrong = _compare(want, self._scan(roots, self._known))
+        self._known = {}
         if wrong:
             raise errors.Unprocessable(
                 "restored tree differs from the snapshot at %d paths: %s"
