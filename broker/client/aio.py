@@ -88,7 +88,13 @@ class AsyncSandbox(SandboxBase, AsyncExecdCalls):
             self._first_release()
             self.client.heartbeats.remove(self.id)
         fields = {"sandbox_id": self.id, "paths": paths, "ttl_s": ttl_s, "release": release}
-        return await self.client._snapshot_op("capture", timeout, **fields)
+        try:
+            return await self.client._snapshot_op("capture", timeout, **fields)
+        except BaseException:
+            if release:  # the worker releases only after a stored snapshot: free it here
+                with contextlib.suppress(SandmanError):
+                    await self.client.send(*core.release_message(self.id))
+            raise
 
     async def pause(self, paths: list[str] | None = None, **options: Any) -> Snapshot:
         """Snapshot, then release: ``client.resume(snap.id)`` continues from here."""
