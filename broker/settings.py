@@ -107,6 +107,8 @@ class Settings:
             raise ConfigError("SANDMAN_CREATE_RATE must be > 0 and SANDMAN_CREATE_BURST >= 1")
         if self.max_reuses < 0:
             raise ConfigError("SANDMAN_MAX_REUSES must be >= 0")
+        if self.snapshot_ttl_s <= 0 or self.snapshot_grace_s < 0:
+            raise ConfigError("SANDMAN_SNAPSHOT_TTL_S must be > 0, SANDMAN_SNAPSHOT_GRACE_S >= 0")
         parse_registries(self.registries)  # ConfigError now, not at the first acquire
         for name in ("embedded_pg_port", "embedded_redis_port"):
             if not 0 <= getattr(self, name) < 65536:
