@@ -7,6 +7,7 @@ writes behind the broker's back.
 
 from __future__ import annotations
 
+import datetime as dt
 import hashlib
 import json
 from collections.abc import Callable
@@ -62,12 +63,12 @@ def test_a_corrupted_blob_fails_the_restore_and_releases_its_sandbox(
         snap = sb.snapshot()
     finally:
         sb.release()
-    wait_until(lambda: not _live_sandboxes(sessions, job), what="source released")
+    wait_until(lambda: not _live_sandboxes(sessions, job), 120, what="source released")
     blob = _blobs(stack)._blob(hashlib.sha256(content).hexdigest())
     blob.write_bytes(b"X" + content[1:])  # same size, other bytes
     with pytest.raises(SnapshotCorrupt, match="blob_mismatch"):
         trainer.client.resume(snap.id)
-    wait_until(lambda: not _live_sandboxes(sessions, job), what="the failed restore released")
+    wait_until(lambda: not _live_sandboxes(sessions, job), 120, what="the failed restore released")
 
 
 def test_quota_refuses_before_anything_is_written(
@@ -108,7 +109,8 @@ def test_identical_files_are_stored_once_and_expired_snapshots_are_collected(
     assert second.stored == 0
     blobs = _blobs(stack)
     assert blobs.has(sha)
-    wait_until(lambda: utcnow().isoformat() > max(first.expires or "", second.expires or ""))
+    last = max(dt.datetime.fromisoformat(s.expires or "") for s in (first, second))
+    wait_until(lambda: utcnow() > last, what="both snapshots expired")
     done = collect(sessions, blobs, installation=stack.installation_id, grace_s=0)
     assert done.expired >= 2
     with sessions() as session:
