@@ -15,15 +15,15 @@ is scanned again and compared, so a restore that does not match fails loudly.
 
 The calls, in order: ``capture`` (listing), ``blob`` (raw bytes of one file, streamed);
 on the fresh sandbox ``prepare`` (deletions, directories, which files need content),
-``put`` (one file's bytes, streamed), ``finish`` (links, modes, verify, shell state).
+``put`` (all the files to write, one streamed pack), ``finish`` (links, modes, verify, shell state).
 Owners, times and special files (FIFOs, sockets, devices) are not restored.
 """
 
+import json
 import os
 import shutil
 import stat
 from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
-from urllib.parse import unquote
 
 from . import errors, files, sessionstate, treescan
 from .server import Close, Request, Response
@@ -32,6 +32,7 @@ from .validate import Doc
 
 PIECE = 1 << 20
 MAX_REPORT = 50
+MAX_HEAD = 65536  # one file's JSON head in a put pack
 
 
 def git_top(path: str) -> Optional[str]:
@@ -184,24 +185,36 @@ class Snapshots:
         return {"need": need, "deleted": len(gone)}
 
     def put(self, req: Request, stream: Any) -> Doc:
-        """Write one file from the raw body, verifying its size and SHA-256."""
+        """Write files from one raw body, a pack: per file a JSON line ``{"p": path,
+        "s": size, "d": sha256, "m": mode}`` and then exactly ``s`` bytes. One request for
+        all of a restore's files (a request per file cost more than small files' bytes);
+        each file is written atomically and its size and SHA-256 verified as it lands."""
         raw = req.headers.get("content-length", "")
         if not raw.isdigit():
             raise errors.LengthRequired("Content-Length is required")
-        size = int(raw)
-        path = unquote(req.headers.get("x-sandman-path", ""), errors="surrogateescape")
-        sha = req.headers.get("x-sandman-sha256", "")
-        mode_raw = req.headers.get("x-sandman-mode", "")
-        if not path.startswith("/") or len(sha) != 64 or not mode_raw.isdigit():
-            raise errors.BadRequest("x-sandman-path, -sha256 and -mode are required")
+        left = int(raw)
         req.body = b""  # read below; a failure part way closes the connection
+        written = 0
         try:
-            if os.path.islink(path):
-                os.unlink(path)  # never write through a link the listing does not have
-            result = files.write_atomic(path, _body(stream, size), int(mode_raw) & 0o7777, 0)
+            while left > 0:
+                line = stream.readline(MAX_HEAD + 1)
+                left -= len(line)
+                path, size, sha, mode = _pack_head(line, left)
+                left -= size
+                self._write_one(stream, path, size, sha, mode)
+                written += 1
+        except errors.Unprocessable:
+            req.keep_alive = req.keep_alive and left == 0  # the body was read to its end
+            raise
         except BaseException:
             req.keep_alive = False  # the rest of the body is unread: the framing is lost
             raise
+        return {"ok": True, "files": written}
+
+    def _write_one(self, stream: Any, path: str, size: int, sha: str, mode: int) -> None:
+        if os.path.islink(path):
+            os.unlink(path)  # never write through a link the listing does not have
+        result = files.write_atomic(path, _body(stream, size), mode, 0)
         if result["size"] != size or result["sha256"] != sha:
             os.unlink(path)
             raise errors.Unprocessable(
@@ -214,7 +227,6 @@ class Snapshots:
             "f", stat.S_IMODE(st.st_mode), st.st_size, st.st_mtime_ns, st.st_ctime_ns,
             st.st_ino, st.st_uid, st.st_gid, sha,
         )  # fmt: skip
-        return {"ok": True, "size": size}
 
     def finish(self, doc: Doc) -> Doc:
         """Symlinks, modes, then a full rescan compared with the listing; then the shell."""
@@ -271,6 +283,28 @@ def _listing(doc: Doc) -> Tuple[List[str], Dict[str, Doc]]:
             raise errors.BadRequest("entry of unknown kind: %r" % (path,), "invalid_field")
         want[os.path.normpath(path)] = e
     return roots, want
+
+
+def _pack_head(line: bytes, left: int) -> Tuple[str, int, str, int]:
+    """One file's head in a put pack: (path, size, sha256, mode), checked."""
+    if not line.endswith(b"\n") or len(line) > MAX_HEAD:
+        raise errors.BadRequest("a pack head must be one JSON line", "invalid_pack")
+    try:
+        head = json.loads(line.decode("utf-8", "surrogateescape"))
+        path, size, sha, mode = head["p"], head["s"], head["d"], head["m"]
+    except (ValueError, KeyError, TypeError):
+        raise errors.BadRequest("a pack head needs p, s, d and m", "invalid_pack") from None
+    if not (
+        isinstance(path, str)
+        and path.startswith("/")
+        and isinstance(size, int)
+        and 0 <= size <= left
+        and isinstance(sha, str)
+        and len(sha) == 64
+        and isinstance(mode, int)
+    ):
+        raise errors.BadRequest("a pack head is malformed or runs past the body", "invalid_pack")
+    return path, size, sha, mode & 0o7777
 
 
 def _under(path: str, dirs: Set[str]) -> bool:

@@ -24,10 +24,10 @@ mismatch anywhere is ``SnapshotCorrupt``; the caller releases the sandbox.
 from __future__ import annotations
 
 import datetime as dt
+import json
 import logging
 from collections.abc import Callable, Iterator
 from typing import Any
-from urllib.parse import quote
 
 import httpx
 from sqlalchemy import func, select
@@ -133,25 +133,29 @@ class SnapshotService:
         except httpx.HTTPError as exc:
             raise transport_failure(exc, call, ep.who) from exc
 
-    def _push(self, ep: Endpoint, entry: dict[str, Any], mode: int) -> None:
-        """One blob from the store into a file of the sandbox; execd verifies it."""
-        sha = entry["d"]
-        size = self.store.size(sha)
+    def _push(self, ep: Endpoint, need: list[dict[str, Any]], modes: dict[str, int]) -> None:
+        """The files a restore needs, from the store into the sandbox as one streamed pack
+        (per file a JSON head line, then its bytes); execd verifies each as it lands."""
+        heads = [
+            json.dumps(
+                {"p": e["p"], "s": self.store.size(e["d"]), "d": e["d"], "m": modes[e["p"]]},
+                separators=(",", ":"),
+            ).encode()
+            + b"\n"
+            for e in need
+        ]
+        length = sum(len(h) + self.store.size(e["d"]) for h, e in zip(heads, need, strict=True))
+
+        def pack() -> Iterator[bytes]:
+            for head, entry in zip(heads, need, strict=True):
+                yield head
+                yield from self.store.chunks(entry["d"])
+
         call = Call("POST", "/v1/snapshot/put", None, CALL_S)
-        headers = {
-            **ep.headers,
-            "Content-Length": str(size),
-            "X-Sandman-Path": quote(entry["p"], errors="surrogateescape"),
-            "X-Sandman-Sha256": sha,
-            "X-Sandman-Mode": str(mode),
-        }
+        headers = {**ep.headers, "Content-Length": str(length)}
         try:
             resp = self.http.request(
-                "PUT",
-                ep.base + call.path,
-                content=self.store.chunks(sha),
-                headers=headers,
-                timeout=CALL_S,
+                "PUT", ep.base + call.path, content=pack(), headers=headers, timeout=CALL_S
             )
         except httpx.HTTPError as exc:
             raise transport_failure(exc, call, ep.who) from exc
@@ -284,9 +288,8 @@ class SnapshotService:
         listing = {"roots": manifest["roots"], "entries": manifest["entries"]}
         need = self._call(ep, "/v1/snapshot/prepare", listing)["need"]
         self.failpoint("restore-after-prepare")
-        modes = {e["p"]: int(e["m"]) for e in manifest["entries"]}
-        for entry in need:
-            self._push(ep, entry, modes[entry["p"]])
+        if need:
+            self._push(ep, need, {e["p"]: int(e["m"]) for e in manifest["entries"]})
         self._call(ep, "/v1/snapshot/finish", {**listing, "session": manifest["session"]})
         return {"snapshot": snap, "written": len(need)}
 

@@ -11,7 +11,6 @@ import json
 import os
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote
 
 import pytest
 
@@ -28,17 +27,18 @@ def small_body_daemon(tmp_path: Path) -> Any:
     d.stop()
 
 
-def _put(c: Client, path: str, data: bytes, sha: str | None = None, mode: int = 0o644) -> Any:
+def _pack(files: list[tuple[str, bytes, str | None, int]]) -> bytes:
+    """A put pack: per file a JSON head line, then its bytes."""
+    out = b""
+    for path, data, sha, mode in files:
+        head = {"p": path, "s": len(data), "d": sha or hashlib.sha256(data).hexdigest(), "m": mode}
+        out += json.dumps(head).encode() + b"\n" + data
+    return out
+
+
+def _put(c: Client, files: list[tuple[str, bytes, str | None, int]]) -> Any:
     return c.request(
-        "PUT",
-        "/v1/snapshot/put",
-        data,
-        headers={
-            "Content-Type": "application/octet-stream",
-            "X-Sandman-Path": quote(path),
-            "X-Sandman-Sha256": sha or hashlib.sha256(data).hexdigest(),
-            "X-Sandman-Mode": str(mode),
-        },
+        "PUT", "/v1/snapshot/put", _pack(files), {"Content-Type": "application/octet-stream"}
     )
 
 
@@ -63,8 +63,10 @@ def _restore(c: Client, listing: dict[str, Any], contents: dict[str, bytes]) -> 
     body = {"roots": listing["roots"], "entries": listing["entries"]}
     need = c.post("/v1/snapshot/prepare", body)["need"]
     modes = {e["p"]: e["m"] for e in listing["entries"]}
-    for entry in need:
-        assert _put(c, entry["p"], contents[entry["p"]], mode=modes[entry["p"]])[0] == 200
+    if need:  # every file in one pack
+        files = [(e["p"], contents[e["p"]], None, modes[e["p"]]) for e in need]
+        code, doc = _put(c, files)
+        assert (code, doc["files"]) == (200, len(need)), doc
     return need, c.request("POST", "/v1/snapshot/finish", {**body, "session": listing["session"]})
 
 
@@ -119,11 +121,11 @@ def test_a_wrong_blob_or_a_tampered_tree_is_refused(small_body_daemon: Any) -> N
     (work / "f").unlink()
     c.post("/v1/snapshot/prepare", {"roots": listing["roots"], "entries": listing["entries"]})
     wrong = hashlib.sha256(b"right").hexdigest()
-    code, doc = _put(c, str(work / "f"), b"wrong", sha=wrong)
+    code, doc = _put(c, [(str(work / "f"), b"wrong", wrong, 0o644)])
     assert (code, doc["error"]["code"]) == (422, "blob_mismatch")
     assert not (work / "f").exists()
     assert c.exec("echo same connection")["stdout"] == "same connection\n"
-    assert _put(c, str(work / "f"), b"right")[0] == 200
+    assert _put(c, [(str(work / "f"), b"right", None, 0o644)])[0] == 200
     (work / "f").write_bytes(b"tampered after the put")
     code, doc = c.request(
         "POST", "/v1/snapshot/finish", {"roots": listing["roots"], "entries": listing["entries"]}
