@@ -47,6 +47,7 @@ from broker.wire.execd import execd_answers  # noqa: E402
 NAMESPACE = "sandman-bench-images"
 REAL = {"sandman.io/node-kind": "real"}
 LIB = REPO / "deploy/localcluster/lib.sh"
+KEEP = ("localhost/sandman-pause:",)  # never removed (the runtime needs it to pull)
 
 
 def cluster_vars() -> dict[str, str]:
@@ -71,10 +72,40 @@ def push(cv: dict[str, str], tarball: Path, name: str, hostport: str) -> str:
 
 
 def remove_from_node(cv: dict[str, str], image: str) -> None:
-    subprocess.run(
-        [cv["crictl"], "--runtime-endpoint", f"unix://{cv['sock']}", "rmi", image],
-        capture_output=True, check=False,
-    )  # fmt: skip
+    """Take every image but pause off the real node, content and unpacked layers
+    included, so the next create pulls all its layers: task images share their base
+    layer with each other and with the broker image (imported by test_deploy, which
+    re-imports it when it is missing), so removing only the measured image would leave
+    most of its bytes. ``--sync`` waits for containerd's garbage collection."""
+    crictl = [cv["crictl"], "--runtime-endpoint", f"unix://{cv['sock']}"]
+    # A deleted pod's container lives on until the kubelet has stopped it, and then as an
+    # exited container until its GC a minute later; either holds the image's unpacked
+    # layers, and containerd does not fetch a layer whose snapshot exists. Wait until the
+    # real node runs no container, removing exited ones and stopped pod sandboxes.
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        left = subprocess.run(
+            [*crictl, "ps", "-a", "-q"], capture_output=True, text=True, check=False
+        ).stdout.split()
+        for kind, listing in (("rm", ["ps", "-a", "-q", "--state", "exited"]),
+                              ("rmp", ["pods", "-q", "--state", "notready"])):  # fmt: skip
+            ids = subprocess.run(
+                [*crictl, *listing], capture_output=True, text=True, check=False
+            ).stdout.split()
+            if ids:
+                subprocess.run([*crictl, kind, *ids], capture_output=True, check=False)
+        if not left:
+            break
+        time.sleep(0.5)
+    ctr = ["ctr", "--address", cv["sock"], "-n", "k8s.io"]
+    listing = subprocess.run(
+        [*ctr, "images", "ls"], check=True, capture_output=True, text=True
+    ).stdout.splitlines()[1:]
+    rows = [line.split() for line in listing if line.strip()]
+    keep = {row[2] for row in rows if row[0].startswith(KEEP)}
+    doomed = [row[0] for row in rows if row[2] not in keep]
+    if doomed:
+        subprocess.run([*ctr, "images", "rm", "--sync", *doomed], check=True, capture_output=True)
 
 
 def big_image(base_layer: Path, workdir: Path, mb: int, ref: str) -> Path:

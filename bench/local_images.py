@@ -1,6 +1,7 @@
 """Local backend on images vs on the host root: start latency, memory and disk per sandbox.
 
-Run: ``.venv/bin/python bench/local_images.py [--n 30] [--first 5] [--fleet 10] [--copy]``
+Run: ``.venv/bin/python bench/local_images.py [--n 30] [--first 5] [--fleet 10] [--copy]
+[--egress allow|deny]``
 (the image tarballs must be built: ``make local-images``; the bench imports the one
 it measures into a private store of its own). Measured in one run, the
 backend alone (no broker, no database), create() to the first authenticated-free
@@ -12,8 +13,10 @@ backend alone (no broker, no database), create() to the first authenticated-free
   ``--copy``, which forces the fallback);
 * the old host-root start (``LocalBackend(host_root=True)``, the pre-image behaviour),
   trials interleaved with the image ones so drift hits both alike;
-* memory (PSS of bwrap, its init and execd) and disk (the sandbox's own directory: its
-  writable layer and workspace) per sandbox, over a fleet of ``--fleet`` live sandboxes.
+* memory (PSS of bwrap, its init and execd, and of its egress uplink, slirp4netns, with
+  ``--egress allow``, the default; ``deny`` starts sandboxes without one) and disk (the
+  sandbox's own directory: its writable layer and workspace) per sandbox, over a fleet
+  of ``--fleet`` live sandboxes.
 
 Prints medians, p90, p99 and ratios; writes bench/out/local_images.json. A benchmark,
 not a test: nothing here asserts.
@@ -35,6 +38,7 @@ sys.path.insert(0, str(REPO))
 
 from bench.common import pct, save, summary  # noqa: E402
 from broker.backends import local as local_mod  # noqa: E402
+from broker.backends import localprocs  # noqa: E402
 from broker.backends.base import PodSpec  # noqa: E402
 from broker.backends.local import LocalBackend  # noqa: E402
 from broker.settings import Settings  # noqa: E402
@@ -42,12 +46,15 @@ from broker.settings import Settings  # noqa: E402
 IMAGE = "localhost/sandman-swe-task:v1"
 
 
+DENIED = False  # --egress deny: sandboxes without an uplink
+
+
 def spec(image: str) -> PodSpec:
     name = f"bench-{secrets.token_hex(4)}"
     return PodSpec(
         name=name, namespace="bench", installation="bench-images", job="bench",
         sandbox_id=name, nonce="n", role="rollout", image=image, cpu_m=500,
-        memory_b=512 << 20, token=secrets.token_hex(16),
+        memory_b=512 << 20, token=secrets.token_hex(16), egress_denied=DENIED,
     )  # fmt: skip
 
 
@@ -89,6 +96,14 @@ def pss_b(pid: int) -> int:
     return total
 
 
+def sandbox_pss_b(backend: LocalBackend, name: str) -> int:
+    """PSS of the sandbox's process tree plus its helpers (the uplink is not a child)."""
+    tree = int((backend._load(name) or {})["pid"])
+    inside = set(descendants(tree))
+    helpers = [p.pid for p in localprocs.scan(backend.mark_root) if p.name == name]
+    return pss_b(tree) + sum(pss_b(pid) for pid in helpers if pid not in inside)
+
+
 def disk_b(path: Path) -> int:
     """Allocated bytes under ``path`` (hard links counted once), not following links."""
     seen, total = set(), 0
@@ -106,7 +121,7 @@ def fleet(backend: LocalBackend, image: str, size: int) -> dict[str, float]:
     try:
         for pod in pods:
             start(backend, pod)
-        mem = [pss_b(int((backend._load(p.name) or {})["pid"])) for p in pods]
+        mem = [sandbox_pss_b(backend, p.name) for p in pods]
         disk = [disk_b(backend.root / p.name) for p in pods]
     finally:
         for pod in pods:
@@ -121,7 +136,10 @@ def main() -> None:
     p.add_argument("--fleet", type=int, default=10, help="live sandboxes for memory/disk")
     p.add_argument("--image", default=IMAGE)
     p.add_argument("--copy", action="store_true", help="force the copy fallback (no overlay)")
+    p.add_argument("--egress", choices=("allow", "deny"), default="allow")
     a = p.parse_args()
+    global DENIED  # noqa: PLW0603 (one switch for every spec of the run)
+    DENIED = a.egress == "deny"
     if a.copy:
         local_mod.overlay_works = lambda _scratch: False  # type: ignore[assignment]
     # A private store (the image imported from the build cache's tarball): the first-start
@@ -133,9 +151,11 @@ def main() -> None:
     image = LocalBackend(settings)
     host = LocalBackend(settings, host_root=True)
     image.images.import_archive(Path(tarballs[a.image]))
+    if DENIED:
+        image.ensure_egress_guard("bench", "bench", [])
     digest = image.images.resolve(a.image)
     mode = "copy" if a.copy else ("overlay" if local_mod.overlay_works(image.root) else "copy")
-    print(f"image {a.image} {digest[:19]}, per-sandbox layer: {mode}", flush=True)
+    print(f"image {a.image} {digest[:19]}, layer: {mode}, egress: {a.egress}", flush=True)
 
     first, unpack_s = [], []
     for _ in range(a.first):
@@ -161,6 +181,7 @@ def main() -> None:
         "image": a.image,
         "digest": digest,
         "layer_mode": mode,
+        "egress": a.egress,
         "rootfs_mb": rootfs_mb,
         "first_start_s": summary(first),
         "unpack_s": summary(unpack_s),
@@ -192,7 +213,7 @@ def main() -> None:
         f"{per_image['disk_mb_p50']:.2f} MB; host root PSS {per_host['pss_mb_p50']:.1f} MB, "
         f"disk {per_host['disk_mb_p50']:.2f} MB"
     )
-    save("local_images" + ("_copy" if a.copy else ""), doc)
+    save("local_images" + ("_copy" if a.copy else "") + ("_deny" if DENIED else ""), doc)
     shutil.rmtree(work, ignore_errors=True)
 
 

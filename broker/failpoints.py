@@ -12,6 +12,8 @@ Production leaves the setting empty and every point is a no-op. The points:
   after-creating-commit   the row is ``creating``, no create was sent
   after-sandbox-start     local backend: the sandbox process runs, the creator has not
                           yet read its pid (the window of issue 20 item 1)
+  after-uplink-start      local backend: the sandbox's egress uplink (slirp4netns) runs,
+                          execd is still held back by bubblewrap (issue 20 item 5)
   after-create-sent       the create returned, readiness not awaited
   before-ready-commit     the sandbox answers, the row is not ``ready`` yet
   after-releasing-commit  the row is ``releasing``, no delete was sent
@@ -31,6 +33,7 @@ POINTS = (
     "after-intent",
     "after-creating-commit",
     "after-sandbox-start",
+    "after-uplink-start",
     "after-create-sent",
     "before-ready-commit",
     "after-releasing-commit",

@@ -1,4 +1,4 @@
-"""Entry point: ``python3 -m execd --listen HOST:PORT``.
+"""Entry point: ``python3 -m execd --listen HOST:PORT`` (or ``--listen-fd N``).
 
 Reads the token from the pipe or file descriptor named by SANDMAN_EXECD_TOKEN_FD
 (read to EOF, then closed: nothing in the sandbox can read it again), else the
@@ -48,6 +48,13 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
         type=parse_listen,
         default=("0.0.0.0", 8000),  # noqa: S104
         help="HOST:PORT to serve on (default 0.0.0.0:8000; port 0 picks one)",
+    )
+    p.add_argument(
+        "--listen-fd",
+        type=int,
+        default=None,
+        help="serve on this inherited, already listening socket instead of --listen "
+        "(the local backend binds it outside the sandbox's network namespace)",
     )
     p.add_argument("--workdir", default=None, help="the session's starting directory")
     p.add_argument("--max-body-bytes", type=int, default=64 * 1024 * 1024)
@@ -197,6 +204,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     # First, before any thread or child: they all inherit the affinity.
     pin_visible_cpus(os.environ)
     token = read_token(args.insecure_no_auth)
+    if args.listen_fd is not None:
+        # Before bash or any run starts: no command in the sandbox may inherit it.
+        with contextlib.suppress(OSError):
+            os.set_inheritable(args.listen_fd, False)
     if not token:
         log.warning("serving WITHOUT authentication (--insecure-no-auth)")
     bash = shutil.which("bash") or "/bin/bash"
@@ -237,6 +248,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         request_timeout=args.request_timeout,
         head_timeout=args.head_timeout,
         max_pending=args.max_pending,
+        listen_fd=args.listen_fd,
     )
 
     def stop(signum: int, _frame: Any) -> None:

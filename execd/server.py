@@ -303,7 +303,12 @@ class Server(socketserver.ThreadingMixIn, socketserver.TCPServer):
         max_connections: int = 256,
         head_timeout: float = 10.0,
         max_pending: int = 64,
+        listen_fd: Optional[int] = None,
     ) -> None:
+        """``listen_fd``: serve on this already bound and listening socket, inherited from
+        whoever started execd (the local backend binds it in the host's network namespace
+        and runs execd in the sandbox's own, where nothing else could reach it);
+        ``address`` is then ignored."""
         self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
         self.app = app
         self.authorized = authorized
@@ -312,7 +317,15 @@ class Server(socketserver.ThreadingMixIn, socketserver.TCPServer):
         # A stranger never waits longer than a caller with the token would be let idle or stall.
         self.gate = Gate(max_pending, min(head_timeout, idle_timeout, request_timeout))
         self.slots = threading.BoundedSemaphore(max_connections)
-        super().__init__(address, Handler)
+        if listen_fd is None:
+            super().__init__(address, Handler)
+            return
+        super().__init__(address, Handler, bind_and_activate=False)
+        self.socket.close()
+        self.socket = adopt_listener(listen_fd)
+        self.address_family = self.socket.family
+        self.server_address = self.socket.getsockname()
+        self.socket.listen(self.request_queue_size)
 
     def process_request(self, request: Any, client_address: Any) -> None:
         self.gate.enter(request)  # before the thread exists: the cap holds at once
@@ -320,3 +333,18 @@ class Server(socketserver.ThreadingMixIn, socketserver.TCPServer):
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         log.exception("connection from %s failed", client_address[0])
+
+
+def adopt_listener(fd: int) -> socket.socket:
+    """The inherited listening socket ``fd``, made close-on-exec: a command started in
+    the sandbox must not inherit it (it could accept the trainer's connections, or keep
+    the port open after execd is gone)."""
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError as exc:
+        raise SystemExit("execd: --listen-fd %d is not a socket: %s" % (fd, exc)) from None
+    if sock.type != socket.SOCK_STREAM:
+        sock.detach()
+        raise SystemExit("execd: --listen-fd %d is not a stream socket" % fd)
+    sock.set_inheritable(False)
+    return sock

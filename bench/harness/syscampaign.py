@@ -26,7 +26,11 @@ after a worker restart the next fault waits until that worker is serving again):
                   restart a worker with SANDMAN_FAILPOINT=<point>, each in turn (broker/
                   failpoints.py: creates on the acquire worker, releases on the control
                   worker; after-sandbox-start on the local backend, between the sandbox
-                  process start and its creator's bookkeeping), let it die there, restart it
+                  process start and its creator's bookkeeping; after-uplink-start, with
+                  the sandbox's egress uplink running), let it die there, restart it
+  flood_execd     local backend: 300 token-less connections (half idle, half slow-loris,
+                  each one the server cuts replaced at once) held against the live
+                  sandboxes' execd for 8-15 s (bench/harness/execdflood.py)
 
 Invariants (checked every second and at the end):
 
@@ -40,6 +44,8 @@ Invariants (checked every second and at the end):
   audit not OK              ``sandman audit`` after that GC pass: unowned or late pods,
                             dangling rows
   audit vs independent count  the audit's pods differ from the world's own count
+  execd flood call failures   a trainer's call to its execd that failed (SandboxLost or
+                            any other error) during a flood_execd window (or 2 s after)
 """
 
 from __future__ import annotations
@@ -90,6 +96,7 @@ class Result:
                 "secrets_in_logs_or_ledger",
                 "audit_not_ok",
                 "audit_vs_independent_count",
+                "execd_flood_call_failures",
             ),
             0,
         )
@@ -100,6 +107,9 @@ class Result:
     failpoint_crashes: Counter[str] = field(default_factory=Counter)
     audit_pods: int = 0
     independent_pods: int = 0
+    flood_windows: list[tuple[float, float]] = field(default_factory=list)
+    flood_stats: Counter[str] = field(default_factory=Counter)  # what the flood's sockets saw
+    flood_calls: Counter[str] = field(default_factory=Counter)  # trainer calls in a window
 
     @property
     def ok(self) -> bool:
@@ -114,6 +124,9 @@ class Result:
             f"faults injected by kind:         {dict(sorted(self.faults.items()))}",
             f"worker exits at failpoints:      {dict(sorted(self.failpoint_crashes.items()))}",
             f"final audit vs own count:        {self.audit_pods} vs {self.independent_pods}",
+            f"execd floods (s; sockets):       {self._flood_seconds():.0f}; "
+            f"{dict(sorted(self.flood_stats.items()))}",
+            f"trainer calls during floods:     {dict(sorted(self.flood_calls.items()))}",
             f"proxy actions:                   {dict(sorted(self.proxy_faults.items()))}",
             "invariant violations:",
             *(f"  {k:<30} {v}" for k, v in self.violations.items()),
@@ -123,6 +136,9 @@ class Result:
         if self.details:
             lines += ["details:", *("  " + d for d in self.details[:30])]
         return "\n".join(lines)
+
+    def _flood_seconds(self) -> float:
+        return sum(end - start for start, end in self.flood_windows)
 
     def to_json(self) -> str:
         return json.dumps(
@@ -136,6 +152,9 @@ class Result:
                 "failpoint_crashes": dict(self.failpoint_crashes),
                 "audit_pods": self.audit_pods,
                 "independent_pods": self.independent_pods,
+                "flood_s": self._flood_seconds(),
+                "flood_stats": dict(self.flood_stats),
+                "flood_calls": dict(self.flood_calls),
                 "proxy_faults": self.proxy_faults,
                 "violations": self.violations,
                 "details": self.details,
@@ -182,6 +201,7 @@ def trainer_main(
             if image != KWOK_IMAGE:
                 try:
                     sb.exec(f"echo {n}")
+                    rec("exec", n, sandbox=sb.lease.sandbox_id)
                 except SandmanError as exc:
                     rec("exec_error", n, kind=type(exc).__name__, sandbox=sb.lease.sandbox_id)
                 except Exception as exc:
@@ -250,6 +270,28 @@ def check_records(
             elif now - t > limit_s:
                 found["hung"].append(f"trainer {i} #{n}: no answer after {now - t:.0f}s")
     return found
+
+
+FLOOD_GRACE_S = 2.0  # a call that started in a flood may end just after it
+
+
+def check_flood_calls(records: dict[int, list[dict[str, Any]]], result: Result) -> None:
+    """Trainer calls to execd answered, or failed, while a flood_execd fault ran: every
+    one must be answered (the flood is token-less; the gate must keep the trainer's
+    door open). A failure is a violation whatever its type."""
+    windows = [(s, e + FLOOD_GRACE_S) for s, e in result.flood_windows]
+    for i, recs in sorted(records.items()):
+        for r in recs:
+            if r["ev"] not in ("exec", "exec_error"):
+                continue
+            if not any(s <= r["t"] <= e for s, e in windows):
+                continue
+            if r["ev"] == "exec":
+                result.flood_calls["answered"] += 1
+            else:
+                result.flood_calls[r.get("kind", "?")] += 1
+                result.violations["execd_flood_call_failures"] += 1
+                result.details.append(f"trainer {i} #{r['n']}: exec {r.get('kind')} in a flood")
 
 
 # -- the run ---------------------------------------------------------------------------------
@@ -334,6 +376,7 @@ def run(cfg: Config, progress: Callable[[str], None] = lambda s: None) -> Result
         )
         for k, v in found.items():
             seen[k].update(v)
+        check_flood_calls(read_records(cfg.state_dir), result)
 
         progress("recovery: waiting for queues and leases")
         _recover(stack, sessions, cfg)
@@ -446,6 +489,12 @@ def inject(
             proxy.add(r)
         time.sleep(rng.uniform(2, 5))
         proxy.clear()
+    elif kind == "flood_execd":
+        from bench.harness.execdflood import flood
+
+        start = time.time()
+        result.flood_stats.update(flood(world.execd_ports, rng.uniform(8, 15)))
+        result.flood_windows.append((start, time.time()))
     elif kind == "kill_trainer":
         alive = [i for i, p in stack.trainers.items() if p.poll() is None]
         if alive:

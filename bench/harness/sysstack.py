@@ -35,9 +35,12 @@ FAULT_KINDS = (
     "api_reset",
     "kill_trainer",
     "crash_at_failpoint",
+    "flood_execd",
 )
 # The local backend has no API server in between: no proxy faults there.
 LOCAL_FAULT_KINDS = tuple(k for k in FAULT_KINDS if not k.startswith("api_"))
+# kwok pods run no execd: nothing to flood there.
+KUBE_FAULT_KINDS = tuple(k for k in FAULT_KINDS if k != "flood_execd")
 
 
 def port_open(port: int) -> bool:

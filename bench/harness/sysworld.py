@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from bench.harness.sysstack import JOB, LOCAL_FAULT_KINDS, Config, Stack
+from bench.harness.sysstack import JOB, KUBE_FAULT_KINDS, LOCAL_FAULT_KINDS, Config, Stack
 
 # Which worker reaches which failpoint: creates run on the acquire worker, releases and
 # their deletes on the control worker.
@@ -29,11 +29,14 @@ RELEASE_POINTS = ("after-releasing-commit", "after-delete-sent")
 
 
 def running_local_sandboxes(state_dir: Path) -> set[str]:
-    """Pod names with a live bubblewrap process of this state dir, from the kernel's process
-    list alone: every version of the local backend binds
-    ``<state>/local-pods/<name>/workspace`` on bubblewrap's command line (zombies have
-    none, so a dead sandbox its parent has not reaped yet does not count)."""
+    """Pod names with a live bubblewrap process or egress uplink of this state dir, from
+    the kernel's process list alone: every version of the local backend binds
+    ``<state>/local-pods/<name>/workspace`` on bubblewrap's command line, and an uplink
+    (slirp4netns) has ``SANDMAN_SANDBOX=<state>/local-pods/<inst>/<ns>/<name>/<nonce>`` as
+    its argv[0] (zombies have no command line, so a dead sandbox its parent has not reaped
+    yet does not count)."""
     base = os.fsencode(str(Path(state_dir).resolve() / "local-pods")) + b"/"
+    helper = b"SANDMAN_SANDBOX=" + base
     found = set()
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -41,6 +44,9 @@ def running_local_sandboxes(state_dir: Path) -> set[str]:
         try:
             args = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
         except OSError:
+            continue
+        if args[0].startswith(helper) and len(args[0][len(helper) :].split(b"/")) == 4:
+            found.add(os.fsdecode(args[0][len(helper) :].split(b"/")[2]))
             continue
         if not args[0].endswith(b"bwrap"):
             continue
@@ -53,7 +59,7 @@ def running_local_sandboxes(state_dir: Path) -> set[str]:
 class KubeWorld:
     """kwok pods on the local cluster, behind the fault proxy."""
 
-    kinds_allowed: tuple[str, ...] | None = None  # every fault kind applies
+    kinds_allowed: tuple[str, ...] | None = KUBE_FAULT_KINDS
     points = CREATE_POINTS + RELEASE_POINTS
 
     def __init__(self, cfg: Config, stack: Stack) -> None:
@@ -116,7 +122,13 @@ class LocalWorld:
     """Bubblewrap sandboxes on this machine: no API server, so no proxy faults."""
 
     kinds_allowed: tuple[str, ...] | None = LOCAL_FAULT_KINDS
-    points = (*CREATE_POINTS[:2], "after-sandbox-start", *CREATE_POINTS[2:], *RELEASE_POINTS)
+    points = (
+        *CREATE_POINTS[:2],
+        "after-sandbox-start",
+        "after-uplink-start",
+        *CREATE_POINTS[2:],
+        *RELEASE_POINTS,
+    )
     proxy = None
     sentinels: set[str] = set()
 
@@ -138,6 +150,12 @@ class LocalWorld:
         from broker.backends.local import LocalBackend
 
         return LocalBackend(self.stack.settings)
+
+    def execd_ports(self) -> list[int]:
+        """The host-side ports of the sandboxes' execd that run now (flood targets)."""
+        from bench.harness.execdflood import live_execd_ports
+
+        return live_execd_ports(Path(self.stack.settings.state_dir) / "local-pods")
 
     def running(self) -> set[str]:
         return running_local_sandboxes(self.cfg.state_dir)

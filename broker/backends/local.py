@@ -9,10 +9,12 @@ Isolation chosen, and why:
   minimal /dev, a private /tmp, the workspace and, for an image without python3, the
   host interpreter execd runs on. An image missing from the store is ``ImageNotFound``
   from ``resolve_image``, before any ledger row or process exists.
-- NOT a network namespace: execd must stay reachable from the broker and trainers on
-  127.0.0.1:<port> in the host netns, and an unshared netns would cut it off. So the
-  local backend cannot deny egress; it reports no egress guard and the provider
-  refuses egress-denied jobs here rather than pretending (GuardMissing).
+- a network namespace of its own (``broker.backends.localnet``): nothing in a sandbox
+  reaches another sandbox's execd or the host's loopback services. execd serves the
+  trainer through a socket the backend binds on 127.0.0.1:<port> of the HOST and passes
+  down (``--listen-fd``). Egress follows the job: none when denied, slirp4netns (without
+  the host's loopback) when allowed, slirp4netns plus an iptables policy inside the
+  sandbox's namespace for a CIDR allow-list.
 - CPU and memory are recorded, not enforced (no cgroup delegation on a laptop).
 
 "Pods" survive broker and worker restarts: the process is started in its own session.
@@ -43,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from broker import failpoints
-from broker.backends import localprocs
+from broker.backends import localnet, localprocs
 from broker.backends.base import (
     LABEL_INSTALLATION,
     LABEL_NONCE,
@@ -55,7 +57,7 @@ from broker.backends.base import (
 )
 from broker.backends.localports import PortLocks
 from broker.backends.localroot import SandboxRoot, host_python, image_python, overlay_works
-from broker.errors import GuardMissing, ImageInvalid, ImageNotFound, KubeConflict, KubeUnavailable
+from broker.errors import ImageInvalid, ImageNotFound, KubeConflict, KubeUnavailable
 from broker.images import refs
 from broker.images.registry import RegistryClient
 from broker.images.store import ImageStore
@@ -169,6 +171,51 @@ def _token_pipe(token: str) -> int:
     return read_end
 
 
+class _Fds:
+    """The descriptors between the backend and one starting sandbox, and who keeps which.
+
+    The child (bwrap, then execd) gets: the listening socket (``--listen-fd``), the info
+    pipe's write end, the token pipe, the block pipe's read end and, with an uplink, the
+    sync pipe's write end. The backend keeps: the info pipe's read end, the block pipe's
+    write end (written once the uplink is up) and the sync pipe's read end (handed to the
+    uplink as its exit-fd). -1: not open."""
+
+    def __init__(self, listener: int) -> None:
+        self.listener = listener
+        self.info = self.info_read = self.token = -1
+        self.block = self.block_write = self.sync = self.sync_read = -1
+
+    def open(self, token: str, *, uplink: bool) -> None:
+        self.info_read, self.info = os.pipe()
+        self.token = _token_pipe(token)
+        self.block, self.block_write = os.pipe()
+        if uplink:
+            self.sync_read, self.sync = os.pipe()
+
+    def child_ends(self) -> tuple[int, ...]:
+        ends = (self.listener, self.info, self.token, self.block, self.sync)
+        return tuple(fd for fd in ends if fd >= 0)
+
+    def take_info(self) -> int:
+        fd, self.info_read = self.info_read, -1
+        return fd
+
+    def close_child_ends(self) -> None:
+        for attr in ("info", "token", "block", "sync"):
+            self._close(attr)
+
+    def close_parent_ends(self) -> None:
+        for attr in ("info_read", "block_write", "sync_read"):
+            self._close(attr)
+
+    def _close(self, attr: str) -> None:
+        fd = getattr(self, attr)
+        if fd >= 0:
+            setattr(self, attr, -1)
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
 class LocalBackend:
     """Backend protocol over bubblewrap processes; see the module docstring."""
 
@@ -197,6 +244,7 @@ class LocalBackend:
         # reconciler see them held instead of pacing a pull again every pass)
         self._held: dict[str, PrePullInfo] = {}
         self.host_root = host_root
+        self.guards = localnet.Guards(self.root)
 
     @staticmethod
     def mark_root_of(state_dir: Path) -> Path:
@@ -246,16 +294,19 @@ class LocalBackend:
             image_pull_s=seconds if seconds is not None else info.image_pull_s,
         )
 
-    # -- guards: nothing cluster-side to install locally -------------------------------
+    # -- guards: the job's egress policy, read by each of its sandboxes' create ---------
 
     def ensure_job_owner(self, namespace: str, job: str) -> None:
         return None
 
     def ensure_egress_guard(self, namespace: str, job: str, allow: list[str]) -> None:
-        raise GuardMissing("the local backend cannot deny egress (execd shares the host netns)")
+        """Record the job's policy (GuardMissing if this host cannot enforce it): every
+        sandbox has its own netns, so denial is no uplink, an allow-list is enforced by
+        iptables inside the sandbox's namespace (``localnet``)."""
+        self.guards.ensure(namespace, job, allow)
 
     def has_egress_guard(self, namespace: str, job: str) -> bool:
-        return False
+        return self.guards.has(namespace, job)
 
     # -- pods --------------------------------------------------------------------------
 
@@ -313,7 +364,7 @@ class LocalBackend:
         # image or the request's env adds.
         argv = [self.bwrap, *localprocs.marker_args(mark)]
         argv += ["--bind", str(root.merged), "/", "--dev", "/dev", "--proc", "/proc"]
-        argv += root.network_files(spec.name[:63])
+        argv += root.network_files(spec.name[:63], localnet.SLIRP_DNS)
         python = image_python(root.rootfs)
         if python is None:
             hosted = host_python()
@@ -331,9 +382,8 @@ class LocalBackend:
         self,
         spec: PodSpec,
         mark: str,
-        port: int,
+        fds: _Fds,
         workspace: Path,
-        info_fd: int,
         *,
         root: SandboxRoot | None = None,
         image_env: list[str] | None = None,
@@ -357,6 +407,7 @@ class LocalBackend:
             "--unshare-pid",
             "--unshare-ipc",
             "--unshare-uts",
+            "--unshare-net",
             "--unshare-cgroup-try",
             "--hostname",
             spec.name[:63],
@@ -371,8 +422,13 @@ class LocalBackend:
             "PYTHONPATH",
             "/sandman",
             "--info-fd",
-            str(info_fd),
+            str(fds.info),
+            # Waits for the uplink (or nothing) before it starts execd.
+            "--block-fd",
+            str(fds.block),
         ]
+        if fds.sync >= 0:  # held open by bwrap, closed for execd: the uplink's exit-fd
+            argv += ["--sync-fd", str(fds.sync)]
         for key, value in spec.env.items():
             argv += ["--setenv", key, value]
         argv += [
@@ -380,8 +436,8 @@ class LocalBackend:
             *python,
             "-m",
             "execd",
-            "--listen",
-            f"127.0.0.1:{port}",
+            "--listen-fd",
+            str(fds.listener),
             "--workdir",
             workdir,
         ]
@@ -408,13 +464,15 @@ class LocalBackend:
     def create(self, spec: PodSpec) -> PodInfo:
         """Start the sandbox, its whole identity made durable BEFORE the process exists.
 
-        Order: the marker (validated), a port lock naming the sandbox, the record
-        (``<name>.json``: labels, nonce, port, marker; O_EXCL, fsynced), and only then
-        the process, marked on its command line. A creator killed at any point leaves
-        nothing that ``list_*`` and ``delete`` cannot find: before the record, at most a
-        port lock that names a sandbox with no record (freed when found stale); after
-        it, a record and perhaps a process, both carrying the nonce. The pid written
-        after the start is a cache for ``get``, never the way a sandbox is found.
+        Order: the marker (validated), a port lock naming the sandbox (with the listening
+        socket bound to the port, for execd), the record (``<name>.json``: labels, nonce,
+        port, marker; O_EXCL, fsynced), and only then the process, marked on its command
+        line. A creator killed at any point leaves nothing that ``list_*`` and ``delete``
+        cannot find: before the record, at most a port lock that names a sandbox with no
+        record (freed when found stale); after it, a record and perhaps a process, both
+        carrying the nonce; after the uplink started, a helper carrying the marker too,
+        which exits by itself with the sandbox. The pid written after the start is a
+        cache for ``get``, never the way a sandbox is found.
         """
         mark = localprocs.marker(
             self.mark_root, spec.installation, spec.namespace, spec.name, spec.nonce
@@ -422,8 +480,11 @@ class LocalBackend:
         meta_path = self._meta_path(spec.name)
         if meta_path.exists():  # O_EXCL below decides; this spares a port claim
             raise KubeConflict(f"local pod {spec.name} exists", status=409)
+        egress = self.guards.egress(spec.namespace, spec.job, denied=spec.egress_denied)
+        if egress.uplink and shutil.which("slirp4netns") is None:
+            raise KubeUnavailable("egress needs slirp4netns here: apt-get install slirp4netns")
         unpacked = self._unpacked_or_typed(spec)  # nothing exists yet if this refuses
-        port = self.ports.claim(spec.name)
+        port, listener = self.ports.claim(spec.name)
         meta: dict[str, Any] = {
             "name": spec.name,
             "namespace": spec.namespace,
@@ -435,16 +496,19 @@ class LocalBackend:
             "cpu_m": spec.cpu_m,
             "memory_b": spec.memory_b,
             "image": spec.image,
+            "egress": (list(egress.allow) or "open") if egress.uplink else "none",
         }
         try:  # O_EXCL: the name is the idempotency key, exactly like a pod name.
             _write_durably(meta_path, meta, exclusive=True)
         except FileExistsError as exc:
+            listener.close()
             self.ports.release(port, spec.name)
             raise KubeConflict(f"local pod {spec.name} exists", status=409) from exc
         except OSError as exc:
+            listener.close()
             self.ports.release(port, spec.name)
             raise KubeUnavailable(f"cannot record local pod {spec.name}: {exc}") from exc
-        read_fd = write_fd = token_fd = -1
+        fds = _Fds(listener=listener.fileno())
         log = None
         try:
             # Under the record's lock, which a delete holds too: a delete that ran since
@@ -458,18 +522,15 @@ class LocalBackend:
                 root = None if unpacked is None else self._sandbox_root(spec, unpacked[0])
                 image_env = None if unpacked is None else unpacked[1]
                 log = (self.root / spec.name / "execd.log").open("ab")
-                read_fd, write_fd = os.pipe()
-                token_fd = _token_pipe(spec.token)
-                argv = self._argv(
-                    spec, mark, port, workspace, write_fd, root=root, image_env=image_env
-                )
+                fds.open(spec.token, uplink=egress.uplink)
+                argv = self._argv(spec, mark, fds, workspace, root=root, image_env=image_env)
                 proc = subprocess.Popen(
                     root.wrap(argv) if root is not None else argv,
                     stdin=subprocess.DEVNULL,
                     stdout=log,
                     stderr=log,
                     start_new_session=True,
-                    pass_fds=(write_fd, token_fd),
+                    pass_fds=fds.child_ends(),
                     # The token travels in a pipe that execd reads to EOF and closes: not
                     # on the command line (`ps` shows it to every local user), and not in
                     # the environment, which bubblewrap's init (PID 1 in the sandbox)
@@ -477,27 +538,30 @@ class LocalBackend:
                     env={
                         "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
                         "LANG": "C.UTF-8",
-                        "SANDMAN_EXECD_TOKEN_FD": str(token_fd),
+                        "SANDMAN_EXECD_TOKEN_FD": str(fds.token),
                     },
                 )
         except BaseException as exc:  # nothing started: forget all of it, then say why
-            if read_fd >= 0:
-                os.close(read_fd)
+            fds.close_parent_ends()
             self._forget(spec.name, meta)
             if isinstance(exc, (OSError, ValueError, subprocess.CalledProcessError)):
                 raise KubeUnavailable(f"cannot start bwrap: {exc}") from exc
             raise
         finally:
-            for fd in (write_fd, token_fd):
-                if fd >= 0:
-                    os.close(fd)
+            fds.close_child_ends()
+            listener.close()  # execd holds it now (or nothing does)
             if log is not None:
                 log.close()
         with _children_lock:
             _children[proc.pid] = proc
         _reap_exited()
         self.failpoint("after-sandbox-start")
-        child = self._read_info(read_fd)
+        try:
+            child = self._read_info(fds.take_info())
+        except BaseException:
+            fds.close_parent_ends()  # bwrap goes on; the provider's failure path deletes it
+            raise
+        self._connect(spec, mark, fds, child, egress)
         meta.update(pid=proc.pid, child_pid=child)
         # A cache (without it `get` scans instead), written under the record's lock and
         # only while the record exists: a delete that won the race (a GC settling a
@@ -507,6 +571,39 @@ class LocalBackend:
             if meta_path.exists():
                 _write_durably(meta_path, meta, exclusive=False)
         return self._info(meta)
+
+    def _connect(
+        self, spec: PodSpec, mark: str, fds: _Fds, child: int | None, egress: localnet.Egress
+    ) -> None:
+        """Give the started sandbox its egress (an uplink, an allow-list), then let
+        bubblewrap start execd. bwrap waits for this on ``--block-fd``; a creator killed
+        meanwhile closes that pipe, and execd starts with no uplink (egress fails
+        closed; the GC reclaims the sandbox of a dead creator as any other)."""
+        try:
+            if egress.uplink:
+                if child is None:
+                    raise KubeUnavailable(f"local pod {spec.name}: bwrap reported no child pid")
+                uplink_log = os.open(
+                    self.root / spec.name / "uplink.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND
+                )
+                try:
+                    uplink = localnet.start_uplink(child, fds.sync_read, mark, uplink_log)
+                finally:
+                    os.close(uplink_log)
+                with _children_lock:  # reaped like the sandbox, once it exits with it
+                    _children[uplink.pid] = uplink
+                self.failpoint("after-uplink-start")
+                if egress.filtered:
+                    localnet.install_allowlist(child, egress.allow)
+        except BaseException as exc:
+            with contextlib.suppress(Exception):  # killed while still blocked
+                self.delete(spec.namespace, spec.name, spec.nonce)
+            fds.close_parent_ends()
+            if isinstance(exc, (OSError, subprocess.SubprocessError)):
+                raise KubeUnavailable(f"local pod {spec.name}: no uplink: {exc}") from exc
+            raise
+        localnet.release(fds.block_write)
+        fds.close_parent_ends()
 
     @staticmethod
     def _read_info(read_fd: int) -> int | None:
@@ -611,6 +708,7 @@ class LocalBackend:
                     )
                 time.sleep(0.02)
                 ours = self._processes(name, nonce)
+            _reap_exited()  # the uplink, if this process started it
             self._forget(name, meta)
             lock.unlink(missing_ok=True)
         return True

@@ -30,13 +30,21 @@ PORT_RANGE = (20000, 32000)
 STALE_S = 300.0
 
 
-def _bindable(port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
+def _listener(port: int) -> socket.socket | None:
+    """A socket bound to 127.0.0.1:``port`` and listening, or None if the port is taken.
+
+    The backend binds it here, in the host's network namespace, and hands it to execd,
+    which runs in the sandbox's own: so the port is never free between a pick and a bind.
+    """
+    sock = socket.socket()
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as execd's own bind did
+        sock.bind(("127.0.0.1", port))
+        sock.listen(128)
+    except OSError:
+        sock.close()
+        return None
+    return sock
 
 
 class PortLocks:
@@ -67,9 +75,9 @@ class PortLocks:
             return path.read_text() == name
         return False
 
-    def claim(self, name: str) -> int:
-        """A loopback port no other sandbox holds and nothing is bound to, locked for
-        ``name``."""
+    def claim(self, name: str) -> tuple[int, socket.socket]:
+        """A loopback port no other sandbox holds, locked for ``name``, and the listening
+        socket bound to it (the caller passes it on to execd, then closes its copy)."""
         self.folder.mkdir(parents=True, exist_ok=True)
         rng = random.SystemRandom()
         for _ in range(500):
@@ -84,8 +92,9 @@ class PortLocks:
                 os.write(fd, name.encode())
             finally:
                 os.close(fd)
-            if _bindable(port):
-                return port
+            sock = _listener(port)
+            if sock is not None:
+                return port, sock
             self.release(port, name)
         raise KubeUnavailable("no free loopback port for a local sandbox")
 

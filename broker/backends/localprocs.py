@@ -16,6 +16,10 @@ sandbox carry it (the outer one and its PID-namespace init, a fork of it); killi
 kills everything in the sandbox. A zombie has no command line, so a dead sandbox that its
 parent has not reaped yet is, correctly, not found.
 
+A sandbox's helper (its slirp4netns uplink, ``broker.backends.localnet``) takes options
+of its own, so it carries the marker as its argv[0] instead (``SANDMAN_SANDBOX=<mark>``,
+``helper_argv0``): found, listed and killed with its sandbox by the same scan.
+
 The marker holds nothing secret (a nonce is a pod label on Kubernetes too); a process in
 the sandbox can read it from ``/proc/1/cmdline``, as it can read its hostname.
 """
@@ -33,11 +37,12 @@ from broker.errors import KubeInvalid
 
 MARK_ENV = "SANDMAN_SANDBOX"
 _SETENV = (b"--setenv", MARK_ENV.encode())
+_ARGV0 = MARK_ENV.encode() + b"="
 
 
 @dataclass(frozen=True)
 class SandboxProcess:
-    """One marked process: a sandbox's bubblewrap, or its PID-namespace init."""
+    """One marked process: a sandbox's bubblewrap, its PID-namespace init, or a helper."""
 
     pid: int
     installation: str
@@ -63,9 +68,17 @@ def marker_args(mark: str) -> list[str]:
     return ["--setenv", MARK_ENV, mark, "--unsetenv", MARK_ENV]
 
 
+def helper_argv0(mark: str) -> str:
+    """The argv[0] that marks a sandbox's helper process as the sandbox's."""
+    return MARK_ENV + "=" + mark
+
+
 def _first_mark(args: list[bytes]) -> bytes | None:
-    """The value of the FIRST ``--setenv SANDMAN_SANDBOX``: the backend puts its marker
-    first, so no later option (a request's env) can pose as another sandbox."""
+    """A helper's argv[0] marker, else the value of the FIRST ``--setenv SANDMAN_SANDBOX``:
+    the backend puts its marker first, so no later option (a request's env) can pose as
+    another sandbox."""
+    if args and args[0].startswith(_ARGV0):
+        return args[0][len(_ARGV0) :]
     for i in range(len(args) - 2):
         if (args[i], args[i + 1]) == _SETENV:
             return args[i + 2]
@@ -85,7 +98,7 @@ def _parse(pid: int, args: list[bytes], prefix: bytes) -> SandboxProcess | None:
 def scan(root: Path) -> list[SandboxProcess]:
     """Every live process marked as a sandbox under ``root``: one pass over /proc."""
     prefix = os.fsencode(str(root)) + b"/"
-    needle = MARK_ENV.encode() + b"\0" + prefix
+    needles = (MARK_ENV.encode() + b"\0" + prefix, _ARGV0 + prefix)
     out = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -94,7 +107,7 @@ def scan(root: Path) -> list[SandboxProcess]:
             raw = Path(f"/proc/{entry}/cmdline").read_bytes()
         except OSError:
             continue
-        if needle not in raw:
+        if not any(needle in raw for needle in needles):
             continue
         found = _parse(int(entry), raw.split(b"\0"), prefix)
         if found is not None:

@@ -187,15 +187,18 @@ class SandboxRoot:
         )
         partial.rename(target)
 
-    def network_files(self, hostname: str) -> list[str]:
+    def network_files(self, hostname: str, nameserver: str) -> list[str]:
         """What a container runtime provides: an /etc/hosts naming localhost and the
-        sandbox's hostname (images rarely ship one), and the host's /etc/resolv.conf,
-        since the sandbox shares the host's network namespace (read-only; hosts is its own)."""
+        sandbox's hostname (images rarely ship one), and an /etc/resolv.conf naming
+        ``nameserver`` (the uplink's DNS forwarder: the sandbox has its own network
+        namespace, where the host's resolver, often on its loopback, is not reachable)."""
         hosts = self.sandbox_dir / "hosts"
         hosts.write_text(
             f"127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost\n127.0.1.1\t{hostname}\n"
         )
-        return ["--bind", str(hosts), "/etc/hosts", "--ro-bind-try", RESOLV, RESOLV]
+        resolv = self.sandbox_dir / "resolv.conf"
+        resolv.write_text(f"nameserver {nameserver}\n")
+        return ["--bind", str(hosts), "/etc/hosts", "--ro-bind", str(resolv), RESOLV]
 
     def wrap(self, bwrap_argv: list[str]) -> list[str]:
         """The command that starts ``bwrap_argv`` on this root (mounting it first)."""

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from broker.backends.local import LocalBackend, _children, _proc_start
-from broker.errors import GuardMissing, KubeConflict, KubeUnavailable
+from broker.errors import KubeConflict, KubeUnavailable
 from broker.settings import Settings
 from broker.wire.execd import execd_answers
 from tests.support.factories import pod_spec
@@ -87,12 +87,6 @@ def test_pods_are_found_again_after_a_restart(backend: LocalBackend, tmp_path: P
     assert meta is not None and os.getsid(int(meta["pid"])) != os.getsid(0)
     assert again.delete("ns", "sm-restart", "n-2")
     assert again.list_all_labelled("ns") == []
-
-
-def test_egress_denial_is_refused_not_faked(backend: LocalBackend) -> None:
-    assert backend.has_egress_guard("ns", "j") is False
-    with pytest.raises(GuardMissing):
-        backend.ensure_egress_guard("ns", "j", [])
 
 
 def _zombies_of(pid: int) -> list[int]:

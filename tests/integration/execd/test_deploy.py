@@ -157,3 +157,44 @@ def test_runtime_dirs_of_dead_daemons_are_swept(tmp_path):
     finally:
         d.stop()
         shutil.rmtree(live, ignore_errors=True)
+
+
+def test_serves_an_inherited_listening_socket_that_no_command_inherits(tmp_path):
+    """``--listen-fd``: the local backend binds execd's socket in the host's network
+    namespace and execd, in the sandbox's own, serves on it. The session's bash and
+    every command must not hold it (they could accept the trainer's connections)."""
+    import socket
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    port, inode = listener.getsockname()[1], os.fstat(listener.fileno()).st_ino
+    fd = listener.fileno()
+    d = Daemon(tmp_path, args=["--listen-fd", str(fd)], popen_kw={"pass_fds": (fd,)})
+    listener.close()  # execd's copy is the only one now
+    try:
+        assert d.port == port
+        c = d.client()
+        held = c.exec("for f in /proc/$$/fd/* /proc/self/fd/*; do readlink $f; done")["stdout"]
+        assert f"socket:[{inode}]" not in held, held
+        assert c.exec("echo ok")["stdout"] == "ok\n"
+    finally:
+        d.stop()
+
+
+def test_listen_fd_that_is_no_socket_is_refused(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SANDMAN_")}
+    read_end, write_end = os.pipe()
+    try:
+        res = subprocess.run(
+            [oldest_python(), "-m", "execd", "--listen-fd", str(read_end)],
+            cwd=REPO,
+            env={**env, "SANDMAN_EXECD_TOKEN": "x" * 16},
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+            pass_fds=(read_end,),
+        )
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+    assert res.returncode != 0 and "not a socket" in res.stderr

@@ -28,10 +28,10 @@ from tests.support.images import SWE_IMAGE
 pytestmark = pytest.mark.integration
 
 FAKE_EXECD = r"""
-import argparse, json, os, subprocess
+import argparse, json, os, socket, subprocess
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-p = argparse.ArgumentParser(); p.add_argument("--listen"); p.add_argument("--workdir")
-a = p.parse_args(); host, port = a.listen.rsplit(":", 1)
+p = argparse.ArgumentParser(); p.add_argument("--listen"); p.add_argument("--listen-fd", type=int)
+p.add_argument("--workdir"); a = p.parse_args()
 fd = os.environ.get("SANDMAN_EXECD_TOKEN_FD")  # how the local backend hands the token over
 TOKEN = os.fdopen(int(fd)).read().strip() if fd else os.environ["SANDMAN_EXECD_TOKEN"]
 MARK = os.path.join(a.workdir, "DIRTY")
@@ -60,7 +60,14 @@ class H(BaseHTTPRequestHandler):
                 os.unlink(MARK)
             return self.send(200, {"clean": not os.path.exists(MARK)})
         self.send(200, {"clean": True})
-ThreadingHTTPServer((host, int(port)), H).serve_forever()
+if a.listen_fd is not None:  # the local backend binds on the host and hands the socket down
+    server = ThreadingHTTPServer(("127.0.0.1", 0), H, bind_and_activate=False)
+    server.socket.close()
+    server.socket = socket.socket(fileno=a.listen_fd)
+else:
+    host, port = a.listen.rsplit(":", 1)
+    server = ThreadingHTTPServer((host, int(port)), H)
+server.serve_forever()
 """
 
 

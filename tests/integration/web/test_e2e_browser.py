@@ -190,6 +190,11 @@ def test_operator_flow_in_a_real_browser(stack, browser):
     stack["broker"].provider.release(more[0].sandbox_id, reason="test-done")
     page.goto(base + "/")
     assert int(page.locator("#stat-live").inner_text()) >= 2
+    # every start recorded whether it pulled: the task image is listed with its starts
+    pulls = page.locator(f"#image-pulls tr:has-text('{TASK_IMAGE}')")
+    assert pulls.count() == 1
+    starts = int(pulls.locator("td").nth(1).inner_text())
+    assert starts >= 3, pulls.inner_text()
     shot(page, "02-overview")
 
     # a planted leak shows up live on the leaks page after a GC pass

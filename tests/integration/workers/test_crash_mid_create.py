@@ -38,6 +38,7 @@ from broker.ownership.provider import Provider
 from broker.settings import Settings
 from tests.integration.workers.conftest import OwnBroker
 from tests.support.images import TASK_IMAGE
+from tests.support.uplinks import uplinks
 from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.integration
@@ -65,14 +66,15 @@ def _running_sandboxes(state_dir: Path) -> set[str]:
     return found
 
 
-def _crash_a_create(own_broker: OwnBroker, job: str) -> Sandbox:
-    """Run one acquire on a worker armed to die right after the sandbox process starts;
-    the row it left (``creating``), once its creating lease has run out."""
+def _crash_a_create(own_broker: OwnBroker, job: str, point: str = "after-sandbox-start") -> Sandbox:
+    """Run one acquire on a worker armed to die at ``point`` (right after the sandbox
+    process starts, or after its uplink does); the row it left (``creating``), once its
+    creating lease has run out."""
     worker = own_broker.start_worker(
         "acquire-doomed",
         Queue.ACQUIRE.value,
         env={
-            "SANDMAN_FAILPOINT": "after-sandbox-start",
+            "SANDMAN_FAILPOINT": point,
             "SANDMAN_CREATE_LEASE_MARGIN_S": str(MARGIN_S),
         },
     )
@@ -115,13 +117,18 @@ def _port_locks(own_broker: OwnBroker) -> list[str]:
     return sorted(p.name for p in locks.iterdir()) if locks.exists() else []
 
 
+@pytest.mark.parametrize("point", ["after-sandbox-start", "after-uplink-start"])
 def test_gc_finds_and_removes_the_sandbox_of_a_worker_killed_mid_create(
-    own_broker: OwnBroker,
+    own_broker: OwnBroker, point: str
 ) -> None:
+    """At either point the sandbox runs (held before execd, at the second, with its
+    uplink): the GC removes all of it, uplink included (issue 20 item 5)."""
     job = own_broker.job("crashed", readiness_budget_s=5.0)
-    row = _crash_a_create(own_broker, job)
+    row = _crash_a_create(own_broker, job, point)
     state = own_broker.settings.state_dir
     assert _running_sandboxes(state) == {row.pod_name}, "the orphan really runs"
+    if point == "after-uplink-start":
+        assert set(uplinks(state)) == {row.pod_name}, "its uplink runs too"
     provider, engine = _provider(own_broker)
     try:
         assert _running_in_audit(provider) == 1  # the audit sees what the kernel shows
@@ -129,6 +136,7 @@ def test_gc_finds_and_removes_the_sandbox_of_a_worker_killed_mid_create(
         assert report.errors == []
         assert {a["why"] for a in report.actions} == {"stuck_create"}
         wait_until(lambda: not _running_sandboxes(state), timeout=60, what="the orphan gone")
+        wait_until(lambda: not uplinks(state), timeout=60, what="its uplink gone")
         with provider.sessions() as session:
             closed = session.get(Sandbox, row.id)
             assert closed is not None and closed.state == State.DELETED

@@ -50,3 +50,23 @@ def test_scan_finds_the_first_marker_and_is_marked_checks_the_whole_of_it(
         for p in (proc, other):
             p.kill()
             p.wait()
+
+
+def test_a_helper_is_found_by_the_marker_in_its_argv0(tmp_path: Path) -> None:
+    """The uplink (slirp4netns) takes options of its own: its argv[0] is the marker."""
+    root = tmp_path / "local-pods"
+    mark = localprocs.marker(root, "inst", "ns", "sm-h", "n-h")
+    code = "import time; time.sleep(60)"
+    helper = subprocess.Popen(
+        [localprocs.helper_argv0(mark), "-c", code], executable=sys.executable
+    )
+    try:
+        found = wait_until(lambda: localprocs.scan(root), timeout=30, interval=0.05)
+        assert found == [localprocs.SandboxProcess(helper.pid, "inst", "ns", "sm-h", "n-h")]
+        assert localprocs.is_marked(helper.pid, mark)
+        localprocs.kill(found)
+        helper.wait()
+        assert localprocs.scan(root) == []
+    finally:
+        helper.kill()
+        helper.wait()
