@@ -32,13 +32,18 @@ def snapshot_and_deliver(broker: Broker, message: Mapping[str, Any]) -> dict[str
     except Exception as exc:
         if not isinstance(exc, SandmanError):
             log.exception("snapshot %s %s failed unexpectedly", op, rid)
-        if op == "restore" and message.get("sandbox_id"):
+        if op == "restore" and message.get("sandbox_id") and not _foreign(exc):
             broker.release(str(message["sandbox_id"]), "restore-failed")
         payload = error_payload(exc, rid)
     delivered = mailbox.deliver(broker.redis, rid, payload)
     if not delivered and op == "capture" and "snapshot" in payload:
         broker.snapshots.remove(payload["snapshot"]["id"])  # nobody will ever learn of it
     return {k: v for k, v in payload.items() if k != "restored"}
+
+
+def _foreign(exc: BaseException) -> bool:
+    """A refusal to touch another trainer's sandbox releases nothing either."""
+    return isinstance(exc, InvalidRequest) and "held by another trainer" in str(exc)
 
 
 def _run(broker: Broker, op: Any, message: Mapping[str, Any]) -> dict[str, Any]:
@@ -48,12 +53,15 @@ def _run(broker: Broker, op: Any, message: Mapping[str, Any]) -> dict[str, Any]:
     sandbox_id = str(message.get("sandbox_id") or "")
     if not sandbox_id:
         raise InvalidRequest("sandbox_id is required", field="sandbox_id")
+    owner = message.get("owner")
     if op == "capture":
-        snap = service.capture(sandbox_id, paths=message.get("paths"), ttl_s=message.get("ttl_s"))
+        snap = service.capture(
+            sandbox_id, paths=message.get("paths"), ttl_s=message.get("ttl_s"), owner=owner
+        )
         if message.get("release"):
             broker.release(sandbox_id, "paused")
         return {"snapshot": snap}
     if op == "restore":
-        done = service.restore(sandbox_id, str(message["snapshot_id"]))
+        done = service.restore(sandbox_id, str(message["snapshot_id"]), owner=owner)
         return {"snapshot": done["snapshot"], "written": done["written"]}
     raise InvalidRequest(f"unknown snapshot op {op!r}", field="op")

@@ -220,7 +220,7 @@ class AsyncSandboxClient(ClientBase):
     # -- snapshots ---------------------------------------------------------------------
 
     async def _snapshot_op(self, op: str, timeout: float, **fields: Any) -> Snapshot:
-        request, outbound = core.snapshot_op(op, timeout, **fields)
+        request, outbound = core.snapshot_op(op, timeout, self.owner, **fields)
         await self.send(*outbound)
         return await self._wait_snapshot(request)
 

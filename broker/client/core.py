@@ -236,9 +236,12 @@ def resume_args(snap: Snapshot, kwargs: dict[str, Any]) -> dict[str, Any]:
     return {"image": snap.image, "job": snap.job, **kwargs, "snapshot": snap.id}
 
 
-def snapshot_op(op: str, timeout: float, **fields: Any) -> tuple[dict[str, Any], Outbound]:
-    """A snapshot request (capture, restore, describe) and its queue message."""
-    request = snapshot_request(op, timeout=timeout, **fields)
+def snapshot_op(
+    op: str, timeout: float, owner: str, **fields: Any
+) -> tuple[dict[str, Any], Outbound]:
+    """A snapshot request (capture, restore, describe) and its queue message; ``owner``
+    lets the worker refuse a sandbox another trainer holds."""
+    request = snapshot_request(op, timeout=timeout, owner=owner, **fields)
     return request, message(Task.SNAPSHOT, [request])
 
 

@@ -274,7 +274,7 @@ class SandboxClient(ClientBase):
     # -- snapshots ---------------------------------------------------------------------
 
     def _snapshot_op(self, op: str, timeout: float, **fields: Any) -> Snapshot:
-        request, outbound = core.snapshot_op(op, timeout, **fields)
+        request, outbound = core.snapshot_op(op, timeout, self.owner, **fields)
         self.send(*outbound)
         return self._wait_snapshot(request)
 
@@ -348,6 +348,7 @@ class SandboxClient(ClientBase):
                     restores[i], message = core.snapshot_op(
                         "restore",
                         float(args.get("timeout", 300.0)),
+                        self.owner,
                         sandbox_id=got.id,
                         snapshot_id=snap.id,
                     )

@@ -103,11 +103,16 @@ class SnapshotService:
 
     # -- execd -------------------------------------------------------------------------
 
-    def _endpoint(self, sandbox_id: str) -> tuple[Sandbox, Endpoint]:
+    def _endpoint(self, sandbox_id: str, owner: str | None) -> tuple[Sandbox, Endpoint]:
+        """The sandbox's execd, refused when another trainer holds it: a restore empties
+        the roots first, so a wrong id must never reach someone else's sandbox. (A warm
+        sandbox whose hand-out is still queued has no owner yet and is allowed.)"""
         with self.sessions() as session:
             row = session.get(Sandbox, sandbox_id)
             if row is None or row.state not in HELD or not row.address:
                 raise SandboxLost(f"sandbox {sandbox_id} is not live")
+            if owner and row.owner and row.owner != owner:
+                raise InvalidRequest(f"sandbox {sandbox_id} is held by another trainer")
             session.expunge(row)
         return row, Endpoint(row.address, self.token_for(row), who=f"execd of {sandbox_id}")
 
@@ -169,7 +174,12 @@ class SnapshotService:
     # -- capture -----------------------------------------------------------------------
 
     def capture(
-        self, sandbox_id: str, *, paths: list[str] | None = None, ttl_s: float | None = None
+        self,
+        sandbox_id: str,
+        *,
+        paths: list[str] | None = None,
+        ttl_s: float | None = None,
+        owner: str | None = None,
     ) -> dict[str, Any]:
         ttl = self.default_ttl_s if ttl_s is None else float(ttl_s)
         if not 0 < ttl <= MAX_TTL_S:
@@ -178,7 +188,7 @@ class SnapshotService:
             not isinstance(paths, list) or not all(isinstance(p, str) for p in paths)
         ):
             raise InvalidRequest("paths must be a list of absolute paths", field="paths")
-        row, ep = self._endpoint(sandbox_id)
+        row, ep = self._endpoint(sandbox_id, owner)
         body: dict[str, Any] = {} if paths is None else {"roots": paths}
         try:
             listing = ep.send(self.http, Call("POST", "/v1/snapshot/capture", body, CALL_S))
@@ -274,9 +284,11 @@ class SnapshotService:
                 raise SnapshotNotFound(f"no ready snapshot {snapshot_id}")
             return summary(snap)
 
-    def restore(self, sandbox_id: str, snapshot_id: str) -> dict[str, Any]:
+    def restore(
+        self, sandbox_id: str, snapshot_id: str, *, owner: str | None = None
+    ) -> dict[str, Any]:
         snap = self.describe(snapshot_id)
-        row, ep = self._endpoint(sandbox_id)
+        row, ep = self._endpoint(sandbox_id, owner)
         if snap["image_digest"] != image_of(row) or snap["image"] != row.image:
             raise InvalidRequest(
                 f"snapshot {snapshot_id} is of {snap['image']}@{snap['image_digest']}, the"

@@ -11,6 +11,7 @@ import datetime as dt
 import hashlib
 import json
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import pytest
@@ -18,14 +19,19 @@ from click.testing import CliRunner
 from sqlalchemy import select
 
 from broker.cli.main import main
-from broker.errors import SnapshotCorrupt, SnapshotNotFound, SnapshotQuotaExceeded
+from broker.errors import (
+    InvalidRequest,
+    SnapshotCorrupt,
+    SnapshotNotFound,
+    SnapshotQuotaExceeded,
+)
 from broker.ledger import store
 from broker.ledger.models import Sandbox, Snapshot, utcnow
 from broker.ledger.states import State
 from broker.settings import Settings
 from broker.snapshots.collect import audit, collect
 from broker.snapshots.store import FsBlobStore, default_store
-from tests.integration.client.test_transports import Trainer
+from tests.integration.client.test_transports import Handle, Trainer
 from tests.support.images import TASK_IMAGE
 from tests.support.wait import wait_until
 
@@ -153,3 +159,24 @@ def test_snapshot_cli_lists_and_removes(
     assert again.exit_code != 0 and "no such snapshot" in again.output
     with pytest.raises(SnapshotNotFound):
         trainer.client.resume(snap.id)
+
+
+def test_another_trainers_sandbox_is_refused_and_left_alone(
+    make_trainer: Callable[..., Trainer], sessions: Any
+) -> None:
+    owner, stranger = make_trainer(owner="owner-a"), make_trainer(owner="stranger-b")
+    job = _job(sessions, f"snap-foreign-{owner.flavour}")
+    sb = owner.open(image=TASK_IMAGE, job=job, timeout=60)
+    try:
+        sb.write_file("/workspace/mine", b"kept")
+        snap = sb.snapshot()
+        theirs = type(sb.target)(stranger.client.target, sb.lease, acquire_s=0.0)
+        with pytest.raises(InvalidRequest, match="another trainer"):
+            Handle(theirs, stranger.run).snapshot()
+        with pytest.raises(InvalidRequest, match="another trainer"):
+            restore = stranger.client.target._snapshot_op
+            stranger._call(partial(restore, "restore", 30.0, sandbox_id=sb.id, snapshot_id=snap.id))
+        assert sb.read_text("/workspace/mine") == "kept"
+        assert sb.exec("true").ok  # not released by the refused restore
+    finally:
+        sb.release()

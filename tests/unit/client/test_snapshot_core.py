@@ -31,15 +31,15 @@ def test_resume_takes_the_snapshots_image_and_job_unless_told_otherwise() -> Non
 
 
 def test_snapshot_ops_travel_on_the_acquire_queue_with_ids_only() -> None:
-    request, out = core.snapshot_op("restore", 30.0, sandbox_id="sb", snapshot_id="s1")
+    request, out = core.snapshot_op("restore", 30.0, "me", sandbox_id="sb", snapshot_id="s1")
     assert (out.task, out.queue) == (Task.SNAPSHOT, Queue.ACQUIRE)
     assert out.args == [request]
     assert request["deadline"] - request["enqueued_at"] == pytest.approx(30.0)
-    assert {k: request[k] for k in ("op", "sandbox_id", "snapshot_id")} == {
-        "op": "restore", "sandbox_id": "sb", "snapshot_id": "s1",
+    assert {k: request[k] for k in ("op", "sandbox_id", "snapshot_id", "owner")} == {
+        "op": "restore", "sandbox_id": "sb", "snapshot_id": "s1", "owner": "me",
     }  # fmt: skip
     with pytest.raises(InvalidRequest):
-        core.snapshot_op("explode", 30.0)
+        core.snapshot_op("explode", 30.0, "me")
 
 
 def test_answers_decode_to_a_snapshot_or_the_typed_error() -> None:
