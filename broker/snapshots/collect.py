@@ -7,6 +7,8 @@ Collected (``collect``), in an order that never deletes what a live snapshot nee
 3. blobs no remaining manifest names, once older than the grace (a capture in progress
    stores or touches its blobs before its manifest exists; the grace spares them);
 4. temporary files a crashed writer left.
+Steps 2-4 read every manifest, so they run at most once per ``SWEEP_EVERY_S`` (or per
+grace, when shorter); step 1 runs on every pass.
 
 The audit (``audit``) only reports: ready rows whose manifest or blobs are missing
 (``rows_without_blobs``) and blobs or manifests no live row owns (``blobs_without_rows``,
@@ -27,6 +29,8 @@ from broker.ledger.models import Snapshot, utcnow
 from broker.snapshots.service import CAPTURING, DELETED, FAILED, READY
 from broker.snapshots.store import FsBlobStore, manifest_blobs
 
+SWEEP_EVERY_S = 300.0  # at most one manifest and blob sweep per this (or the grace)
+
 
 @dataclass
 class Collected:
@@ -36,6 +40,7 @@ class Collected:
     blobs: int = 0
     blob_bytes: int = 0
     tmp: int = 0
+    swept: bool = True  # whether this pass swept manifests and blobs (see SWEEP_EVERY_S)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -69,6 +74,10 @@ def collect(
                 .where(Snapshot.id.in_([d[0] for d in doomed]))
                 .values(state=DELETED, deleted_at=now)
             )
+    if grace_s > 0 and time.time() - store.last_sweep() < min(grace_s, SWEEP_EVERY_S):
+        out.swept = False  # a sweep reads every manifest: not on every 30 s pass
+        return out
+    store.mark_sweep()
     live = _live_ids(sessions, installation)
     for snap_id in store.manifests():
         if snap_id not in live:

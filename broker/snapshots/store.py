@@ -170,6 +170,16 @@ class FsBlobStore:
         with contextlib.suppress(FileNotFoundError):
             self._manifest(snapshot_id).unlink()
 
+    def last_sweep(self) -> float:
+        """When the GC last swept this store (epoch seconds; 0 when never)."""
+        try:
+            return (self.root / "last-sweep").stat().st_mtime
+        except FileNotFoundError:
+            return 0.0
+
+    def mark_sweep(self) -> None:
+        (self.root / "last-sweep").touch()
+
     def sweep_tmp(self, older_than_s: float) -> int:
         """Temporary files a crashed writer left behind."""
         removed = 0

@@ -129,6 +129,8 @@ def test_identical_files_are_stored_once_and_expired_snapshots_are_collected(
     report = audit(sessions, blobs, installation=stack.installation_id)
     assert report["rows_without_blobs"] == []
     assert report["manifests_without_rows"] == []
+    again = collect(sessions, blobs, installation=stack.installation_id, grace_s=60)
+    assert done.swept and not again.swept  # one sweep of every manifest per interval
 
 
 def test_snapshot_cli_lists_and_removes(
