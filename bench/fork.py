@@ -33,7 +33,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import save, summary
+from bench.common import save, stop_services, summary
 
 IMAGE = "localhost/sandman-swe-task:v1"
 CPU_M, MEM = 250, 512 << 20
@@ -243,6 +243,7 @@ def main() -> int:
     finally:
         client.close()
         stack.stop(echo=lambda _: None)
+        stop_services(settings)  # the stack leaves the embedded services running
     return 0
 
 
