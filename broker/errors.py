@@ -18,7 +18,8 @@ SandmanError                                                  retryable? (T/P)
 │   ├── TenantExists                                          P  create of a tenant that exists (use set)
 │   ├── ImageNotFound(LookupError)          (images)          P  the image ref is not in the local store
 │   ├── ImageInvalid                        (images)          P  an archive or layer the store refuses
-│   └── TaskSpecError                       (grading.spec)    P  a task file that cannot be graded
+│   ├── TaskSpecError                       (grading.spec)    P  a task file that cannot be graded
+│   └── SnapshotNotFound(LookupError)       (snapshots)       P  no ready, unexpired snapshot of that id
 ├── InfrastructureError                                          not the agent's fault: mask the sample
 │   ├── ServiceUnavailable(ConnectionError)                   T  Redis/PostgreSQL/broker down
 │   ├── AcquireTimeout(TimeoutError)                          T  no sandbox within the caller's budget
@@ -41,11 +42,14 @@ SandmanError                                                  retryable? (T/P)
 │   │   └── NamespaceUnavailable                              P  the sandbox namespace is missing or RBAC
 │   │                                                            refuses: names it and the permission
 │   ├── GuardMissing                                          P  egress-denied create without its policy
+│   ├── SnapshotFailed                      (snapshots)       T  a capture could not complete: take it again
+│   ├── SnapshotCorrupt                     (snapshots)       P  a restore did not verify: sandbox released
 │   ├── GradingSandboxRejected              (grading.grade)   T  dirty or reused grading sandbox: take another
 │   ├── ProbeFailed                         (grading.probe)   T  the run-conditions probe did not answer
 │   ├── ProbeContradiction                  (grading.probe)   P  the pod contradicts the task's conditions
 │   ├── VerifierSetupFailed                 (grading.harbor)  T  /tests or /logs/verifier not made fresh
 │   └── VerifierUserUnavailable             (grading.harbor)  P  the sandbox cannot run test.sh as its user
+├── SnapshotQuotaExceeded                   (snapshots)       P  the job's snapshot bytes quota: nothing written
 ├── TaskError                               (grading.grade)   P  the task itself is broken
 ├── PatchExtractionError                    (grading.patch)   P  the rollout repository yields no patch
 ├── IllegalTransition(RuntimeError)                           P  a ledger state jump the state machine forbids
@@ -192,6 +196,33 @@ class CreateFailed(InfrastructureError, PermanentError):
     """The provider could not make a ready sandbox (the row says why in ``last_error``)."""
 
     code = "create_failed"
+
+
+class SnapshotNotFound(InvalidRequest, LookupError):
+    """No ready, unexpired snapshot has this id (never taken, removed, or collected)."""
+
+    code = "snapshot_not_found"
+
+
+class SnapshotQuotaExceeded(PermanentError):
+    """The job's snapshots would hold more than its ``snapshot_bytes`` quota; nothing was
+    written. Remove or let expire older snapshots (``sandman snapshot rm``)."""
+
+    code = "snapshot_quota_exceeded"
+
+
+class SnapshotFailed(InfrastructureError, TemporaryError):
+    """A capture could not complete (a file changed while it was read, execd went away);
+    the partial snapshot is collected by the GC. Taking it again can succeed."""
+
+    code = "snapshot_failed"
+
+
+class SnapshotCorrupt(InfrastructureError, PermanentError):
+    """A restore did not match its snapshot (a blob's SHA-256 or size differed, or the
+    restored tree did not verify); the sandbox it went into was released."""
+
+    code = "snapshot_corrupt"
 
 
 class ForeignPod(CreateFailed):

@@ -18,6 +18,8 @@ Production leaves the setting empty and every point is a no-op. The points:
   before-ready-commit     the sandbox answers, the row is not ``ready`` yet
   after-releasing-commit  the row is ``releasing``, no delete was sent
   after-delete-sent       the delete was sent, not confirmed
+  snapshot-after-blobs    a capture stored its blobs, no manifest, the row ``capturing``
+  restore-after-prepare   a restore's sandbox was prepared, no file written yet
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ POINTS = (
     "before-ready-commit",
     "after-releasing-commit",
     "after-delete-sent",
+    "snapshot-after-blobs",
+    "restore-after-prepare",
 )
 EXIT_CODE = 86  # recognisable in a supervisor's log: "exit code 86" is a failpoint
 

@@ -29,6 +29,7 @@ class Task(StrEnum):
     POOL_REFILL = "sandman.pool_refill"
     POOL_UPKEEP = "sandman.pool_upkeep"
     GC = "sandman.gc"
+    SNAPSHOT = "sandman.snapshot"
 
 
 # Which queue each task travels on; the Celery route table is built from this.
@@ -40,6 +41,7 @@ TASK_QUEUE: dict[Task, Queue] = {
     Task.POOL_REFILL: Queue.POOL,
     Task.POOL_UPKEEP: Queue.POOL,
     Task.GC: Queue.POOL,
+    Task.SNAPSHOT: Queue.ACQUIRE,
 }
 
 

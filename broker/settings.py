@@ -67,6 +67,10 @@ class Settings:
     idle_timeout_s: float = 300.0
     gc_interval_s: float = 30.0
     max_reuses: int = 8
+    # Snapshots (broker/snapshots): how long one lives unless the caller says otherwise,
+    # and how long the GC spares a capture in progress and a blob no manifest names yet.
+    snapshot_ttl_s: float = 86400.0
+    snapshot_grace_s: float = 600.0
     execd_port: int = 8080
     web_host: str = "127.0.0.1"
     web_port: int = 8000
@@ -103,6 +107,8 @@ class Settings:
             raise ConfigError("SANDMAN_CREATE_RATE must be > 0 and SANDMAN_CREATE_BURST >= 1")
         if self.max_reuses < 0:
             raise ConfigError("SANDMAN_MAX_REUSES must be >= 0")
+        if self.snapshot_ttl_s <= 0 or self.snapshot_grace_s < 0:
+            raise ConfigError("SANDMAN_SNAPSHOT_TTL_S must be > 0, SANDMAN_SNAPSHOT_GRACE_S >= 0")
         parse_registries(self.registries)  # ConfigError now, not at the first acquire
         for name in ("embedded_pg_port", "embedded_redis_port"):
             if not 0 <= getattr(self, name) < 65536:

@@ -26,6 +26,7 @@ from .server import Server
 from .session import Launch
 from .sessions import Sessions
 from .shell import Shell
+from .snapshot import Snapshots
 from .state import StateKeeper
 
 log = logging.getLogger("execd")
@@ -227,8 +228,17 @@ def main(argv: Optional[List[str]] = None) -> int:
     state = StateKeeper(shell, workdir, rundir)
     sessions = Sessions(shell, launch, rundir, args.max_sessions)
     runner = Runner(reaper, launch.env, args.max_runs)
+    snapshots = Snapshots(shell, workdir, rundir, umask)
     app = App(
-        token, shell, state, args.max_body_bytes, umask, sessions, runner, args.stream_keepalive
+        token,
+        shell,
+        state,
+        args.max_body_bytes,
+        umask,
+        sessions,
+        runner,
+        args.stream_keepalive,
+        snapshots,
     )
     server = Server(
         args.listen,

@@ -18,11 +18,13 @@ from .runspec import MAX_TIMEOUT_S
 from .server import BodyReader, Request, Response
 from .sessions import Sessions
 from .shell import Shell
+from .snapshot import Snapshots
 from .state import StateKeeper
 from .validate import Doc
 
 WRITE = "/v1/files/write"
 RUN, RUN_STREAM = "/v1/run", "/v1/run/stream"
+SNAPSHOT_PUT = "/v1/snapshot/put"  # a raw, streamed body: never read whole into memory
 # The one big string field each route may carry, parsed without a copy (split_big_string).
 BIG_FIELDS = {WRITE: "content_b64", RUN: "stdin_b64", RUN_STREAM: "stdin_b64"}
 
@@ -41,10 +43,12 @@ class App:
     sessions: Sessions
     runner: Runner
     keepalive_s: float
+    snapshots: Snapshots
     started: float = field(default_factory=time.time, init=False)
 
     def __post_init__(self) -> None:
         self.routes: Dict[str, Tuple[str, Handler]] = {
+            SNAPSHOT_PUT: ("PUT", self.healthz),  # served by Snapshots.put before any body read
             "/healthz": ("GET", self.healthz),
             "/v1/info": ("GET", self.info),
             "/v1/exec": ("POST", self.exec_),
@@ -60,6 +64,10 @@ class App:
             "/v1/baseline": ("POST", self.baseline),
             "/v1/state-check": ("POST", self.state_check),
             "/v1/restore": ("POST", self.restore),
+            "/v1/snapshot/capture": ("POST", self.snapshots.capture),
+            "/v1/snapshot/blob": ("POST", self.snapshots.blob),
+            "/v1/snapshot/prepare": ("POST", self.snapshots.prepare),
+            "/v1/snapshot/finish": ("POST", self.snapshots.finish),
         }
 
     def __call__(self, req: Request, read_body: BodyReader) -> Response:
@@ -71,6 +79,8 @@ class App:
             raise errors.NotFound("no route %s" % req.path, "unknown_route")
         if req.method != route[0]:
             raise errors.MethodNotAllowed("%s takes %s, not %s" % (req.path, route[0], req.method))
+        if req.path == SNAPSHOT_PUT:
+            return Response(200, self.snapshots.put(req, req.stream))
         body = read_body(req, self.max_body)
         req.body = b""  # the raw bytes live on only as long as this request needs them
         big = BIG_FIELDS.get(req.path)

@@ -51,7 +51,7 @@ REASONS = {
 
 
 class Request:
-    __slots__ = ("body", "headers", "keep_alive", "method", "path")
+    __slots__ = ("body", "headers", "keep_alive", "method", "path", "stream")
 
     def __init__(self, method: str, path: str, headers: Dict[str, str], keep_alive: bool) -> None:
         self.method = method
@@ -59,6 +59,7 @@ class Request:
         self.headers = headers
         self.keep_alive = keep_alive
         self.body: Optional[bytes] = b""  # None: not read (yet)
+        self.stream: Any = None  # the connection's reader, for routes that stream a body
 
 
 class Response:
@@ -197,6 +198,7 @@ class Handler(socketserver.StreamRequestHandler):
         target = parts[1].decode("latin-1")
         req = Request(parts[0].decode("latin-1"), target.split("?", 1)[0], headers, keep)
         req.body = None  # unread until _read_body
+        req.stream = self.rfile
         return req
 
     def _read_body(self, req: Request, limit: int) -> bytes:

@@ -17,6 +17,7 @@ from typing import Any
 
 from celery.signals import worker_ready
 
+from broker.acquire.snapshots import snapshot_and_deliver
 from broker.errors import TemporaryError
 from broker.names import Task
 from workers.app import app
@@ -34,6 +35,11 @@ RETRY: dict[str, Any] = {
 @app.task(name=Task.ACQUIRE, acks_late=True, reject_on_worker_lost=True)
 def acquire(message: dict[str, Any]) -> dict[str, Any]:
     return broker().acquire_and_deliver(message)
+
+
+@app.task(name=Task.SNAPSHOT, acks_late=True, reject_on_worker_lost=True)
+def snapshot(message: dict[str, Any]) -> dict[str, Any]:
+    return snapshot_and_deliver(broker(), message)
 
 
 @app.task(name=Task.RELEASE, acks_late=True, reject_on_worker_lost=True, **RETRY)

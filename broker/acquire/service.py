@@ -27,6 +27,7 @@ from typing import Any
 
 from sqlalchemy.orm import Session, sessionmaker
 
+from broker import failpoints
 from broker.acquire.cancel import CancelWatcher
 from broker.backends.base import Backend
 from broker.errors import (
@@ -47,6 +48,8 @@ from broker.pools.prepull import PrePull
 from broker.pools.store import WarmStore, parse_pools
 from broker.pools.upkeep import REFILL_BUDGET_S, Enqueue, PoolUpkeep
 from broker.settings import Settings
+from broker.snapshots.service import SnapshotService
+from broker.snapshots.store import default_store
 from broker.wire import mailbox
 from broker.wire.errors import payload_details
 from broker.wire.request import AcquireRequest
@@ -139,6 +142,21 @@ class Broker:
         self.pools = PoolUpkeep(settings, sessions, self.provider, self.warm, self.enqueue)
         self.prepull = PrePull(settings, sessions, self.provider.backend, self.pacer, self.limits)
         self.actor = actor
+        self._snapshots: SnapshotService | None = None
+
+    @property
+    def snapshots(self) -> SnapshotService:
+        """Capture and restore (built on first use: most workers never snapshot)."""
+        if self._snapshots is None:
+            self._snapshots = SnapshotService(
+                self.sessions,
+                default_store(self.settings.state_dir),
+                self.provider.token_for,
+                installation=self.settings.installation_id,
+                default_ttl_s=self.settings.snapshot_ttl_s,
+                failpoint=failpoints.armed(self.settings.failpoint),
+            )
+        return self._snapshots
 
     # -- acquire ----------------------------------------------------------------------
 

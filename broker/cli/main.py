@@ -247,9 +247,9 @@ def egress_check(  # noqa: PLR0917 (click passes options positionally)
 
 
 def _register_subcommands() -> None:
-    from broker.cli import grading, images, replay, run, tenants, web
+    from broker.cli import grading, images, replay, run, snapshots, tenants, web
 
-    for module in (run, grading, web, replay, images, tenants):
+    for module in (run, grading, web, replay, images, tenants, snapshots):
         module.register(main)
 
 

@@ -155,6 +155,12 @@ def register(group: click.Group) -> None:
     @click.option("--lease-s", type=float, default=None)
     @click.option("--readiness-budget-s", type=float, default=None)
     @click.option(
+        "--snapshot-bytes",
+        type=click.IntRange(min=0),
+        default=None,
+        help="Quota: the most bytes the job's live snapshots may list (default: no limit).",
+    )
+    @click.option(
         "--egress",
         default=None,
         metavar="allow|deny|CIDR[,CIDR...]",
@@ -187,6 +193,7 @@ def register(group: click.Group) -> None:
         max_reuses: int | None,
         lease_s: float | None,
         readiness_budget_s: float | None,
+        snapshot_bytes: int | None,
         egress: str | None,
         hot_images: tuple[str, ...],
         tenant: str | None,
@@ -204,6 +211,7 @@ def register(group: click.Group) -> None:
             ("max_concurrent_creates", max_concurrent),
             ("lease_s", lease_s),
             ("readiness_budget_s", readiness_budget_s),
+            ("snapshot_bytes", snapshot_bytes),
         ):
             if value is not None:
                 config[key] = value

@@ -30,7 +30,10 @@ from broker.client.base import ClientBase, ClientOptions, SandboxBase
 from broker.errors import SandmanError, ServiceUnavailable
 from broker.wire import mailbox, warm
 from broker.wire.execd import AsyncExecdCalls, Call, RunChunk, RunResult
+from broker.wire.snapshots import Snapshot
 from broker.wire.types import Lease
+
+SNAPSHOT_TIMEOUT_S = 600.0
 
 
 class AsyncSandbox(SandboxBase, AsyncExecdCalls):
@@ -68,6 +71,46 @@ class AsyncSandbox(SandboxBase, AsyncExecdCalls):
         if self._first_release():
             self.client.heartbeats.remove(self.id)
             await self.client.send(*core.release_message(self.id))
+
+    # -- snapshots (running processes are never captured: see broker.wire.snapshots) ----
+
+    async def snapshot(
+        self,
+        paths: list[str] | None = None,
+        *,
+        ttl_s: float | None = None,
+        timeout: float = SNAPSHOT_TIMEOUT_S,
+        release: bool = False,
+    ) -> Snapshot:
+        """As ``Sandbox.snapshot`` of the sync client."""
+        self._check_held()
+        if release:
+            self._first_release()
+            self.client.heartbeats.remove(self.id)
+        fields = {"sandbox_id": self.id, "paths": paths, "ttl_s": ttl_s, "release": release}
+        try:
+            return await self.client._snapshot_op("capture", timeout, **fields)
+        except BaseException:
+            if release:  # the worker releases only after a stored snapshot: free it here
+                with contextlib.suppress(SandmanError):
+                    await self.client.send(*core.release_message(self.id))
+            raise
+
+    async def pause(self, paths: list[str] | None = None, **options: Any) -> Snapshot:
+        """Snapshot, then release: ``client.resume(snap.id)`` continues from here."""
+        return await self.snapshot(paths, release=True, **options)
+
+    async def fork(
+        self,
+        n: int,
+        paths: list[str] | None = None,
+        *,
+        ttl_s: float | None = None,
+        timeout: float = SNAPSHOT_TIMEOUT_S,
+    ) -> list[AsyncSandbox | SandmanError]:
+        """Snapshot, then n restored sandboxes, each settled on its own (sync ``fork``)."""
+        snap = await self.snapshot(paths, ttl_s=ttl_s, timeout=timeout)
+        return await self.client.restore_many(n, snap, **self.spec)
 
 
 class AsyncHeartbeats:
@@ -160,13 +203,87 @@ class AsyncSandboxClient(ClientBase):
     # -- acquire -----------------------------------------------------------------------
 
     async def open(self, **kwargs: Any) -> AsyncSandbox:
-        """Acquire a sandbox the caller must ``await release()`` (prefer ``acquire``)."""
+        """Acquire a sandbox the caller must ``await release()`` (prefer ``acquire``);
+        ``snapshot=id`` restores that snapshot into it (released again if that fails)."""
+        kwargs, snapshot = core.split_snapshot(kwargs)
         request = core.new_request(self.owner, **kwargs)
         sandbox = await self._claim_warm(request)
         if sandbox is None:
             await self.send(*core.acquire_message(request))
             sandbox = await self._wait(request)
-        return self._started(sandbox)
+        sandbox.spec = kwargs
+        sandbox = self._started(sandbox)
+        if snapshot is not None:
+            await self._restore_into(sandbox, snapshot, float(kwargs.get("timeout", 300.0)))
+        return sandbox
+
+    # -- snapshots ---------------------------------------------------------------------
+
+    async def _snapshot_op(self, op: str, timeout: float, **fields: Any) -> Snapshot:
+        request, outbound = core.snapshot_op(op, timeout, self.owner, **fields)
+        await self.send(*outbound)
+        return await self._wait_snapshot(request)
+
+    async def _wait_snapshot(self, request: dict[str, Any]) -> Snapshot:
+        wait = core.MailboxWait(request)
+        got = None
+        try:
+            while got is None and (pop_s := wait.next_pop(time.time())) is not None:
+                got = await self.redis.blpop([wait.key], timeout=pop_s)
+        except RedisError as exc:
+            raise ServiceUnavailable(f"Redis unreachable: {exc}") from exc
+        if got is None:
+            keys, args = wait.cancel_call()
+            with contextlib.suppress(Exception):
+                await self._cancel(keys=keys, args=args)
+            raise wait.timed_out()
+        return core.settle_snapshot(got[1])
+
+    async def _restore_into(self, sandbox: AsyncSandbox, snapshot_id: str, timeout: float) -> None:
+        try:
+            await self._snapshot_op(
+                "restore", timeout, sandbox_id=sandbox.id, snapshot_id=snapshot_id
+            )
+        except BaseException:
+            with contextlib.suppress(SandmanError):
+                await sandbox.release()
+            raise
+
+    async def describe(self, snapshot_id: str, timeout: float = 60.0) -> Snapshot:
+        """A ready snapshot's record (SnapshotNotFound when removed or expired)."""
+        return await self._snapshot_op("describe", timeout, snapshot_id=snapshot_id)
+
+    async def resume(self, snapshot: Snapshot | str, **kwargs: Any) -> AsyncSandbox:
+        """A new sandbox restored from ``snapshot``; the caller releases it."""
+        snap = snapshot if isinstance(snapshot, Snapshot) else await self.describe(snapshot)
+        return await self.open(**core.resume_args(snap, kwargs))
+
+    async def restore_many(
+        self, n: int, snapshot: Snapshot | str, **kwargs: Any
+    ) -> list[AsyncSandbox | SandmanError]:
+        """n sandboxes restored from ``snapshot``, all settled (see the sync client)."""
+        snap = snapshot if isinstance(snapshot, Snapshot) else await self.describe(snapshot)
+        args = core.resume_args(snap, kwargs)
+        args.pop("snapshot")
+        timeout = float(args.get("timeout", 300.0))
+
+        async def one() -> AsyncSandbox:
+            sandbox = await self.open(**args)
+            await self._restore_into(sandbox, snap.id, timeout)
+            return sandbox
+
+        results = await asyncio.gather(*(one() for _ in range(n)), return_exceptions=True)
+        out: list[AsyncSandbox | SandmanError] = []
+        for r in results:
+            if isinstance(r, AsyncSandbox | SandmanError):
+                out.append(r)
+            else:  # not ours to swallow (a bug, a cancellation): free the others first
+                await asyncio.gather(
+                    *(s.release() for s in results if isinstance(s, AsyncSandbox)),
+                    return_exceptions=True,
+                )
+                raise r
+        return out
 
     @contextlib.asynccontextmanager
     async def acquire(self, **kwargs: Any) -> AsyncIterator[AsyncSandbox]:

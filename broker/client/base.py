@@ -64,6 +64,8 @@ class SandboxBase:
         self.id = lease.sandbox_id
         self.acquire_s = acquire_s
         self.released = False
+        # The acquire arguments it was opened with: its forks are acquired alike.
+        self.spec: dict[str, Any] = {}
         self._execd = Endpoint(lease.address, lease.token, who=f"execd of {self.id}")
 
     def _check_held(self) -> None:

@@ -29,6 +29,7 @@ from broker.wire import mailbox, warm
 from broker.wire.errors import raise_payload_error
 from broker.wire.request import request_body
 from broker.wire.services import known_redis_url
+from broker.wire.snapshots import Snapshot, snapshot_request
 from broker.wire.types import Lease
 
 MAX_GROUP = 10_000
@@ -212,6 +213,44 @@ def late_releases(raw: bytes | str | None) -> list[Outbound]:
     if "lease" not in payload:
         return []
     return [release_message(str(payload["lease"]["sandbox_id"]))]
+
+
+# -- snapshots --------------------------------------------------------------------------
+
+
+def split_snapshot(kwargs: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
+    """``open(..., snapshot=id)``: the acquire arguments, and the snapshot to restore."""
+    rest = dict(kwargs)
+    snap = rest.pop("snapshot", None)
+    if isinstance(snap, Snapshot):
+        snap = snap.id
+    if snap is not None and not isinstance(snap, str):
+        raise InvalidRequest("snapshot must be a snapshot id or a Snapshot", field="snapshot")
+    return rest, snap
+
+
+def resume_args(snap: Snapshot, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Acquire arguments for a sandbox to restore ``snap`` into: its image and job unless
+    the caller names others. Not its digest: the warm pools are keyed by the requested
+    digest, and the worker refuses a sandbox of another digest before restoring anyway."""
+    return {"image": snap.image, "job": snap.job, **kwargs, "snapshot": snap.id}
+
+
+def snapshot_op(
+    op: str, timeout: float, owner: str, **fields: Any
+) -> tuple[dict[str, Any], Outbound]:
+    """A snapshot request (capture, restore, describe) and its queue message; ``owner``
+    lets the worker refuse a sandbox another trainer holds."""
+    request = snapshot_request(op, timeout=timeout, owner=owner, **fields)
+    return request, message(Task.SNAPSHOT, [request])
+
+
+def settle_snapshot(raw: bytes | str) -> Snapshot:
+    """A snapshot op's answer: the snapshot, or the worker's error re-raised as its type."""
+    payload = mailbox.parse(raw)
+    if "snapshot" not in payload:
+        raise_payload_error(payload)
+    return Snapshot.from_dict(payload["snapshot"])
 
 
 # -- heartbeats -------------------------------------------------------------------------

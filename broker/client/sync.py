@@ -40,6 +40,7 @@ from broker.errors import SandmanError, ServiceUnavailable
 from broker.names import Queue
 from broker.wire import mailbox, warm
 from broker.wire.execd import Call, ExecdCalls, ExecResult, RunChunk, RunResult
+from broker.wire.snapshots import Snapshot
 from broker.wire.types import Lease
 
 __all__ = [
@@ -54,6 +55,7 @@ __all__ = [
 ]
 
 QUEUE_ACQUIRE, QUEUE_RELEASE = Queue.ACQUIRE, Queue.RELEASE
+SNAPSHOT_TIMEOUT_S = 600.0
 
 
 class Sandbox(SandboxBase, ExecdCalls):
@@ -91,6 +93,49 @@ class Sandbox(SandboxBase, ExecdCalls):
         if self._first_release():
             self.client.heartbeats.remove(self.id)
             self.client.send(*core.release_message(self.id))
+
+    # -- snapshots (running processes are never captured: see broker.wire.snapshots) ----
+
+    def snapshot(
+        self,
+        paths: list[str] | None = None,
+        *,
+        ttl_s: float | None = None,
+        timeout: float = SNAPSHOT_TIMEOUT_S,
+        release: bool = False,
+    ) -> Snapshot:
+        """Capture the workspace roots (default: the workdir and its git repository, or
+        ``paths``) and the shell's cwd and exported variables; ``release`` frees the
+        sandbox once the snapshot is stored (that is ``pause``)."""
+        self._check_held()
+        if release:
+            self._first_release()
+            self.client.heartbeats.remove(self.id)
+        fields = {"sandbox_id": self.id, "paths": paths, "ttl_s": ttl_s, "release": release}
+        try:
+            return self.client._snapshot_op("capture", timeout, **fields)
+        except BaseException:
+            if release:  # the worker releases only after a stored snapshot: free it here
+                with contextlib.suppress(SandmanError):
+                    self.client.send(*core.release_message(self.id))
+            raise
+
+    def pause(self, paths: list[str] | None = None, **options: Any) -> Snapshot:
+        """Snapshot, then release: ``client.resume(snap.id)`` continues from here."""
+        return self.snapshot(paths, release=True, **options)
+
+    def fork(
+        self,
+        n: int,
+        paths: list[str] | None = None,
+        *,
+        ttl_s: float | None = None,
+        timeout: float = SNAPSHOT_TIMEOUT_S,
+    ) -> list[Sandbox | SandmanError]:
+        """Snapshot, then n sandboxes restored from it, each settled on its own: an entry is
+        a ready Sandbox (the caller releases it) or the typed error of that one fork."""
+        snap = self.snapshot(paths, ttl_s=ttl_s, timeout=timeout)
+        return self.client.restore_many(n, snap, **self.spec)
 
 
 class Heartbeats:
@@ -214,12 +259,116 @@ class SandboxClient(ClientBase):
         base_commit, workdir, env, visible_cpus, egress (see
         ``broker.client.core.ACQUIRE_DEFAULTS``).
         """
+        kwargs, snapshot = core.split_snapshot(kwargs)
         request = core.new_request(self.owner, **kwargs)
         sandbox = self._claim_warm(request)
         if sandbox is None:
             self.send(*core.acquire_message(request))
             sandbox = self._wait(request)
-        return self._started(sandbox)
+        sandbox.spec = kwargs
+        sandbox = self._started(sandbox)
+        if snapshot is not None:
+            self._restore_into(sandbox, snapshot, float(kwargs.get("timeout", 300.0)))
+        return sandbox
+
+    # -- snapshots ---------------------------------------------------------------------
+
+    def _snapshot_op(self, op: str, timeout: float, **fields: Any) -> Snapshot:
+        request, outbound = core.snapshot_op(op, timeout, self.owner, **fields)
+        self.send(*outbound)
+        return self._wait_snapshot(request)
+
+    def _wait_snapshot(self, request: dict[str, Any]) -> Snapshot:
+        wait = core.MailboxWait(request)
+        got = None
+        try:
+            while got is None and (pop_s := wait.next_pop(time.time())) is not None:
+                got = self.redis.blpop([wait.key], timeout=pop_s)
+        except redis_lib.RedisError as exc:
+            raise ServiceUnavailable(f"Redis unreachable: {exc}") from exc
+        if got is None:
+            keys, args = wait.cancel_call()
+            with contextlib.suppress(Exception):
+                self._cancel(keys=keys, args=args)
+            raise wait.timed_out()
+        return core.settle_snapshot(got[1])
+
+    def _restore_into(self, sandbox: Sandbox, snapshot_id: str, timeout: float) -> None:
+        """Restore or release: a sandbox whose restore failed is never handed out."""
+        try:
+            self._snapshot_op("restore", timeout, sandbox_id=sandbox.id, snapshot_id=snapshot_id)
+        except BaseException:
+            with contextlib.suppress(SandmanError):
+                sandbox.release()
+            raise
+
+    def describe(self, snapshot_id: str, timeout: float = 60.0) -> Snapshot:
+        """A ready snapshot's record (SnapshotNotFound when removed or expired)."""
+        return self._snapshot_op("describe", timeout, snapshot_id=snapshot_id)
+
+    def resume(self, snapshot: Snapshot | str, **kwargs: Any) -> Sandbox:
+        """A new sandbox restored from ``snapshot`` (of its image, in its job unless the
+        caller names others); the caller releases it."""
+        snap = snapshot if isinstance(snapshot, Snapshot) else self.describe(snapshot)
+        return self.open(**core.resume_args(snap, kwargs))
+
+    def restore_many(
+        self, n: int, snapshot: Snapshot | str, **kwargs: Any
+    ) -> list[Sandbox | SandmanError]:
+        """n sandboxes restored from ``snapshot``, all settled: each entry is a ready
+        Sandbox or that fork's typed error. Acquires are batched (warm claims first), the
+        restores run in parallel on the workers."""
+        snap = snapshot if isinstance(snapshot, Snapshot) else self.describe(snapshot)
+        args = core.resume_args(snap, kwargs)
+        args.pop("snapshot")
+        requests = core.group_requests(n, self.owner, **args)
+        out: list[Sandbox | SandmanError | None] = [None] * n
+        try:
+            pending = []
+            for i, request in enumerate(requests):
+                try:
+                    out[i] = self._claim_warm(request)
+                except SandmanError as exc:
+                    out[i] = exc
+                if out[i] is None:
+                    pending.append(i)
+            if pending:
+                self.enqueuer.send_all(core.acquire_message(requests[i]) for i in pending)
+            for i in pending:
+                try:
+                    out[i] = self._wait(requests[i])
+                except SandmanError as exc:
+                    out[i] = exc
+            restores: dict[int, dict[str, Any]] = {}
+            outbound = []
+            for i, got in enumerate(out):
+                if isinstance(got, Sandbox):
+                    got.spec = args
+                    self._started(got)
+                    restores[i], message = core.snapshot_op(
+                        "restore",
+                        float(args.get("timeout", 300.0)),
+                        self.owner,
+                        sandbox_id=got.id,
+                        snapshot_id=snap.id,
+                    )
+                    outbound.append(message)
+            self.enqueuer.send_all(outbound)
+            for i, request in restores.items():
+                sandbox = out[i]
+                assert isinstance(sandbox, Sandbox)
+                try:
+                    self._wait_snapshot(request)
+                except SandmanError as exc:
+                    sandbox.release()
+                    out[i] = exc
+        except BaseException:
+            for got in out:
+                if isinstance(got, Sandbox):
+                    with contextlib.suppress(SandmanError):
+                        got.release()
+            raise
+        return [got for got in out if got is not None]
 
     @contextlib.contextmanager
     def acquire(self, **kwargs: Any) -> Iterator[Sandbox]:

@@ -91,6 +91,8 @@ class Job(Base):
     hot_images: Mapped[list[str] | None] = mapped_column(JSON, default=list)
     reuse: Mapped[bool] = mapped_column(Boolean, default=False)
     max_reuses: Mapped[int] = mapped_column(Integer, default=8)
+    # The most bytes (logical, all files listed) its live snapshots may hold; None: no limit.
+    snapshot_bytes: Mapped[int | None] = mapped_column(BigInteger)
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     updated_at: Mapped[dt.datetime] = mapped_column(
         DateTime(timezone=True), default=utcnow, onupdate=utcnow
@@ -244,3 +246,34 @@ class GcPass(Base):
     dangling_rows: Mapped[int] = mapped_column(Integer)
     actions: Mapped[int] = mapped_column(Integer)
     errors: Mapped[int] = mapped_column(Integer)
+
+
+class Snapshot(Base):
+    """One snapshot of a sandbox's workspace: owned by a job, expiring, its manifest and
+    blobs in the blob store (``broker.snapshots.store``).
+
+    ``capturing`` is the intent written before any blob: a capture whose worker died stays
+    there and the GC deletes it (with its manifest) past the grace; blobs no manifest
+    references are collected by the store's own sweep."""
+
+    __tablename__ = "snapshots"
+    __table_args__ = (
+        Index("ix_snapshots_job_state", "job", "state"),
+        Index("ix_snapshots_expires_at", "expires_at"),
+    )
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
+    job: Mapped[str] = mapped_column(ForeignKey("jobs.name"), index=True)
+    # Whose store holds its blobs: the GC and the audit of one installation see only its own.
+    installation: Mapped[str] = mapped_column(String(63))
+    sandbox_id: Mapped[str | None] = mapped_column(String(32))  # the sandbox it was taken of
+    image: Mapped[str] = mapped_column(String(512))
+    image_digest: Mapped[str | None] = mapped_column(String(128))
+    state: Mapped[str] = mapped_column(String(16), default="capturing")
+    size_b: Mapped[int] = mapped_column(BigInteger, default=0)  # all files listed
+    stored_b: Mapped[int] = mapped_column(BigInteger, default=0)  # new blob bytes it added
+    files: Mapped[int] = mapped_column(Integer, default=0)
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    expires_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True))
+    deleted_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
+    last_error: Mapped[str | None] = mapped_column(Text)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 from sqlalchemy import func, select
 
@@ -19,6 +20,8 @@ from broker.ledger.models import Leak, Sandbox
 from broker.ledger.states import LIVE_STATES
 from broker.ownership.gc import GcReport, run_gc
 from broker.ownership.provider import Provider
+from broker.snapshots.collect import audit as snapshot_audit
+from broker.snapshots.store import default_store
 
 
 @dataclass
@@ -28,10 +31,17 @@ class AuditReport:
     live_rows_by_job: dict[str, dict[str, int]] = field(default_factory=dict)
     leaks_total: int = 0
     leaks_open: dict[str, int] = field(default_factory=dict)
+    # broker.snapshots.collect.audit: rows without blobs, blobs and manifests without rows
+    snapshots: dict[str, Any] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
-        return not self.gc.unowned_pods and not self.gc.late_pods and not self.gc.dangling_rows
+        return (
+            not self.gc.unowned_pods
+            and not self.gc.late_pods
+            and not self.gc.dangling_rows
+            and not self.snapshots.get("rows_without_blobs")
+        )
 
     def to_dict(self) -> dict[str, object]:
         """The report as JSON: its own counts (every field but ``gc``) and the GC's findings."""
@@ -66,6 +76,11 @@ def run_audit(provider: Provider) -> AuditReport:
             select(Leak.kind, func.count()).where(Leak.resolved_at.is_(None)).group_by(Leak.kind)
         ):
             report.leaks_open[kind] = int(count)
+    report.snapshots = snapshot_audit(
+        provider.sessions,
+        default_store(provider.settings.state_dir),
+        installation=provider.settings.installation_id,
+    )
     return report
 
 
@@ -89,5 +104,18 @@ def format_audit(report: AuditReport) -> str:
     lines.append(f"foreign pods (other installations, untouched): {len(report.gc.foreign_pods)}")
     lines.append(f"GC actions pending: {len(report.gc.actions)}")
     lines.append(f"leaks recorded: {report.leaks_total}; open: {report.leaks_open or 0}")
-    lines.append("OK" if report.ok else "NOT OK: unowned or late pods, or dangling rows")
+    snaps = report.snapshots
+    lines.append(f"snapshots (ready rows): {snaps.get('snapshot_rows', 0)}")
+    for key, text in (
+        ("rows_without_blobs", "snapshot rows without blobs:  "),
+        ("blobs_without_rows", "blobs without snapshot rows: "),
+        ("manifests_without_rows", "manifests without rows:      "),
+    ):
+        lines.append(f"{text}{len(snaps.get(key, []))}")
+        lines.extend(f"  - {item}" for item in snaps.get(key, [])[:20])
+    lines.append(
+        "OK"
+        if report.ok
+        else "NOT OK: unowned or late pods, dangling rows, or snapshot rows without blobs"
+    )
     return "\n".join(lines)

@@ -20,6 +20,7 @@ What one pass settles:
 from __future__ import annotations
 
 import datetime as dt
+import logging
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -35,8 +36,11 @@ from broker.ledger import store
 from broker.ledger.models import GcPass, Job, Leak, Sandbox, utcnow
 from broker.ledger.states import LIVE_STATES, State
 from broker.ownership.provider import Provider
+from broker.snapshots.collect import collect
+from broker.snapshots.store import default_store
 
 GC_LAST_KEY = names.GC_LAST_KEY
+log = logging.getLogger(__name__)
 GC_LOCK_ID = 0x5A4D_6763  # pg advisory lock: one GC pass at a time, cluster-wide
 RECENT_S = 10.0  # rows younger than this may belong to a create racing our list
 
@@ -56,6 +60,8 @@ class GcReport:
     errors: list[str] = field(default_factory=list)
     duration_s: float = 0.0
     skipped_locked: bool = False
+    # What the pass collected of snapshots (broker.snapshots.collect); empty on a dry run.
+    snapshots: dict[str, int] = field(default_factory=dict)
 
     @property
     def clean(self) -> bool:
@@ -112,9 +118,28 @@ def run_gc(provider: Provider, *, dry_run: bool = False) -> GcReport:
             report.skipped_locked = True
             return report
         _pass(provider, report)
+        if not dry_run:
+            _collect_snapshots(provider, report)
         report.duration_s = time.monotonic() - started
         _record_pass(provider, report, started_at)
     return report
+
+
+def _collect_snapshots(provider: Provider, report: GcReport) -> None:
+    """Expired and orphaned snapshots, then blobs no snapshot names (module doc there)."""
+    settings = provider.settings
+    try:
+        done = collect(
+            provider.sessions,
+            default_store(settings.state_dir),
+            installation=settings.installation_id,
+            grace_s=settings.snapshot_grace_s,
+        )
+    except Exception as exc:
+        log.exception("snapshot collection failed")
+        report.errors.append(f"snapshots: {type(exc).__name__}: {exc}"[:500])
+        return
+    report.snapshots = done.to_dict()
 
 
 def _record_pass(provider: Provider, report: GcReport, started_at: dt.datetime) -> None:

@@ -33,7 +33,13 @@ def test_environment_is_not_read_at_import(monkeypatch):
 
 @pytest.mark.parametrize(
     ("name", "value"),
-    [("SANDMAN_CREATE_RATE", "fast"), ("SANDMAN_BACKEND", "docker"), ("SANDMAN_CREATE_RATE", "0")],
+    [
+        ("SANDMAN_CREATE_RATE", "fast"),
+        ("SANDMAN_BACKEND", "docker"),
+        ("SANDMAN_CREATE_RATE", "0"),
+        ("SANDMAN_SNAPSHOT_TTL_S", "0"),
+        ("SANDMAN_SNAPSHOT_GRACE_S", "-1"),
+    ],
 )
 def test_bad_values_raise_typed_error(name, value):
     with pytest.raises(ConfigError) as info:

@@ -1,0 +1,251 @@
+"""fork(8) of a SWE-style sandbox on the local backend with a warm pool, against the two
+ways a trainer gets 8 such sandboxes without snapshots (issue #17).
+
+    SANDMAN_STATE_DIR=/some/own/dir .venv/bin/python bench/fork.py [--trials 5] [--mb 50]
+
+The source: a warm sandbox of the SWE task image (its git repository at /repo), where the
+"agent" generates ``--mb`` MB of files into the repository (seeded, incompressible) and
+then applies a 1 MB diff (100 text files of 10 KB), and leaves cwd and an export behind.
+Per trial, each from the call to 8 ready sandboxes holding that state:
+
+  fork(8)             sb.fork(8, paths=["/repo"]): snapshot + 8 warm acquires restored
+  cold + commands     8 cold acquires (a job without a pool), each re-running the commands
+  warm + diff         8 warm acquires, each re-applying the 1 MB diff by hand (write_file):
+                      NOT the generated files, so it is the cheaper, not the equal, state
+
+Also: the snapshot alone, restore throughput (MB/s of files a fork received) and store
+bytes per fork after deduplication (the store's growth per trial / 8; trials regenerate
+the same seeded content, so from the second trial on a snapshot adds nothing).
+Runs its own stack in SANDMAN_STATE_DIR (embedded services, real Celery workers,
+bubblewrap sandboxes). One run; a benchmark, not a test: nothing here asserts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import save, stop_services, summary
+
+IMAGE = "localhost/sandman-swe-task:v1"
+CPU_M, MEM = 250, 512 << 20
+N = 8
+DIFF_FILES, DIFF_BYTES = 100, 10 * 1024
+
+
+def generate_command(mb: int) -> str:
+    """The agent's heavy command: ``mb`` MB of seeded random files in the repository."""
+    return (
+        "python3 - <<'EOF'\n"
+        "import os, random\n"
+        "r = random.Random(17)\n"
+        "os.makedirs('/repo/generated', exist_ok=True)\n"
+        f"for i in range({mb * 4}):\n"
+        "    with open('/repo/generated/blob%04d.bin' % i, 'wb') as f:\n"
+        "        f.write(r.randbytes(256 * 1024))\n"
+        "EOF"
+    )
+
+
+def diff_files() -> dict[str, bytes]:
+    """The agent's 1 MB diff: 100 source files of 10 KB each."""
+    return {
+        f"/repo/agent/mod{i:03d}.py": (f"# module {i}\n" + "x = 1\n" * DIFF_BYTES)[
+            :DIFF_BYTES
+        ].encode()
+        for i in range(DIFF_FILES)
+    }
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--trials", type=int, default=5)
+    parser.add_argument("--mb", type=int, default=50)
+    args = parser.parse_args()
+    os.environ.setdefault("SANDMAN_CREATE_RATE", "1000")
+    os.environ.setdefault("SANDMAN_CREATE_BURST", "1000")
+
+    from sqlalchemy import select
+
+    from broker.client.sync import Sandbox, SandboxClient
+    from broker.errors import SandmanError
+    from broker.ledger import store
+    from broker.ledger.db import make_engine, make_session_factory
+    from broker.ledger.models import Sandbox as Row
+    from broker.local.stack import Stack, running_stack
+    from broker.names import Queue, Task
+    from broker.pools.store import WarmStore, pool_key
+    from broker.settings import Settings
+
+    settings = Settings.from_env()
+    if running_stack(settings):
+        print("a `sandman up` is running on this state dir; stop it first", file=sys.stderr)
+        return 2
+    stack = Stack(settings)
+    print("starting the stack ...", flush=True)
+    stack.start(web=False, echo=False)
+    sessions = make_session_factory(make_engine(stack.database_url))
+    client = SandboxClient(stack.redis_url, owner="bench-fork", heartbeat_s=3600)
+    tag = secrets.token_hex(2)
+    warm_job, cold_job = f"bench-fork-warm-{tag}", f"bench-fork-cold-{tag}"
+    pool = {"image": IMAGE, "cpu_m": CPU_M, "memory_b": MEM, "size": N + 1}
+    with sessions.begin() as session:
+        store.ensure_job(session, warm_job, warm_pools=[{**pool, "idle_timeout_s": 3600}])
+        store.ensure_job(session, cold_job)
+    key = pool_key(IMAGE, None, None, CPU_M, MEM)
+    warm = WarmStore(client.redis)
+    spec: dict[str, Any] = {"image": IMAGE, "cpu": f"{CPU_M}m", "memory": MEM, "timeout": 300}
+    store_dir = settings.state_dir / "snapshots"
+    diff = diff_files()
+    commands = generate_command(args.mb)
+
+    def fill() -> None:
+        client.send(Task.POOL_UPKEEP, [], Queue.POOL)
+        deadline = time.monotonic() + 300
+        while warm.size(warm_job, key) < N + 1 and time.monotonic() < deadline:
+            time.sleep(0.2)
+
+    def drained() -> None:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            with sessions() as session:
+                left = session.scalars(
+                    select(Row.id).where(
+                        Row.job == cold_job, Row.state.in_(("creating", "ready", "releasing"))
+                    )
+                ).all()
+            if not left:
+                return
+            time.sleep(0.5)
+
+    def agent(sb: Sandbox) -> None:
+        assert sb.exec(commands, timeout=600).exit_code == 0
+        for path, data in diff.items():
+            sb.write_file(path, data)
+        assert sb.exec("cd /repo/agent && export AGENT_STEP=7").ok
+
+    def in_threads(fn: Any) -> list[Any]:
+        out: list[Any] = [None] * N
+
+        def one(i: int) -> None:
+            try:
+                out[i] = fn()
+            except Exception as exc:
+                out[i] = exc
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(N)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return out
+
+    results: dict[str, list[float]] = {
+        "fork8": [], "snapshot": [], "cold_plus_commands": [], "warm_plus_diff": [],
+    }  # fmt: skip
+    stored_per_fork: list[float] = []
+    restore_mbps: list[float] = []
+    failures = 0
+    try:
+        for trial in range(args.trials):
+            # fork(8) from the warm pool
+            fill()
+            source = client.open(job=warm_job, **spec)
+            agent(source)
+            before = dir_bytes(store_dir) if store_dir.exists() else 0
+            t0 = time.perf_counter()
+            snap = source.snapshot(paths=["/repo"])
+            t_snap = time.perf_counter() - t0
+            forks = client.restore_many(N, snap, job=warm_job, **spec)
+            t_fork = time.perf_counter() - t0
+            ok = [f for f in forks if isinstance(f, Sandbox)]
+            failures += sum(1 for f in forks if isinstance(f, SandmanError))
+            assert ok and ok[0].exec("echo $AGENT_STEP; pwd").stdout == "7\n/repo/agent\n"
+            results["fork8"].append(t_fork)
+            results["snapshot"].append(t_snap)
+            stored_per_fork.append((dir_bytes(store_dir) - before) / N)
+            restore_mbps.append(snap.size * N / (t_fork - t_snap) / 1e6)
+            print(
+                f"trial {trial}: fork(8) {t_fork:.2f}s (snapshot {t_snap:.2f}s, "
+                f"{snap.size / 1e6:.1f} MB listed, {snap.stored / 1e6:.1f} MB new), "
+                f"warm hits {sum(1 for f in ok if f.lease.warm)}/{N}",
+                flush=True,
+            )
+            for f in ok:
+                f.release()
+            source.release()
+            # 8 cold acquires, each re-running the agent's commands
+            drained()
+            t0 = time.perf_counter()
+            cold = in_threads(lambda: client.open(job=cold_job, **spec))
+            got = [c for c in cold if isinstance(c, Sandbox)]
+            in_threads_done = [threading.Thread(target=agent, args=(c,)) for c in got]
+            for t in in_threads_done:
+                t.start()
+            for t in in_threads_done:
+                t.join()
+            results["cold_plus_commands"].append(time.perf_counter() - t0)
+            for c in got:
+                c.release()
+            drained()
+            # 8 warm acquires, each re-applying the diff by hand
+            fill()
+            t0 = time.perf_counter()
+            hot = in_threads(lambda: client.open(job=warm_job, **spec))
+            got = [c for c in hot if isinstance(c, Sandbox)]
+
+            def apply(sb: Sandbox) -> None:
+                for path, data in diff.items():
+                    sb.write_file(path, data)
+
+            ts = [threading.Thread(target=apply, args=(c,)) for c in got]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join()
+            results["warm_plus_diff"].append(time.perf_counter() - t0)
+            for c in got:
+                c.release()
+            print(
+                f"trial {trial}: cold+commands {results['cold_plus_commands'][-1]:.2f}s, "
+                f"warm+diff {results['warm_plus_diff'][-1]:.2f}s",
+                flush=True,
+            )
+        doc = {
+            "trials": args.trials,
+            "generated_mb": args.mb,
+            "diff_bytes": DIFF_FILES * DIFF_BYTES,
+            "n": N,
+            "failed_forks": failures,
+            **{name: summary(values) for name, values in results.items()},
+            "restore_mb_per_s": summary(restore_mbps),
+            "store_bytes_per_fork": stored_per_fork,
+        }
+        print()
+        for name in results:
+            s = doc[name]
+            print(f"{name:20} p50 {s['p50']:.2f}s  p90 {s['p90']:.2f}s  (n={s['n']})")
+        print(f"restore throughput   p50 {doc['restore_mb_per_s']['p50']:.0f} MB/s")
+        print(f"store bytes per fork {[round(b) for b in stored_per_fork]}")
+        save("fork", doc)
+    finally:
+        client.close()
+        stack.stop(echo=lambda _: None)
+        stop_services(settings)  # the stack leaves the embedded services running
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,200 @@
+"""The content-addressed blob store of snapshots: files stored once by SHA-256, a manifest
+per snapshot, everything streamed.
+
+One seam, ``BlobStore``; one implementation here, ``FsBlobStore``, the embedded default,
+in the state dir's filesystem. Why the filesystem and not PostgreSQL: blobs are written
+and read as streams of a megabyte at a time (PostgreSQL's large objects or bytea would put
+every byte through the ledger's WAL, vacuum and backups, and the ledger's sessions are
+short transactions by design); a blob is immutable and named by its hash, so a rename is
+all the atomicity it needs; deleting one is an unlink. On the local backend the sandboxes
+and the store then share one disk. An S3-compatible store for clusters implements the
+same methods over the same keys (``blobs/<sha[:2]>/<sha>``, ``manifests/<id>.json``):
+``put_stream`` maps to a multipart upload, ``chunks`` to a ranged GET body, ``touch`` to a
+copy-in-place that refreshes the object's time; nothing else in the broker changes.
+
+Why ``touch``: a blob found already stored is reused by the new snapshot before its
+manifest exists; the sweep deletes only unreferenced blobs older than a grace, and a
+touched blob is young again, so a capture reusing it never loses it to the sweep.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any, Protocol
+
+from broker.errors import SnapshotCorrupt, SnapshotFailed
+
+PIECE = 1 << 20
+
+
+class BlobStore(Protocol):
+    """What the snapshot service and the GC need of a store."""
+
+    def has(self, sha: str) -> bool: ...
+
+    def touch(self, sha: str) -> bool:
+        """Refresh the blob's time (so the sweep spares it); False when it is absent."""
+        ...
+
+    def put_stream(self, sha: str, pieces: Iterable[bytes]) -> int:
+        """Store the pieces as blob ``sha``, verifying the hash; the bytes written."""
+        ...
+
+    def chunks(self, sha: str) -> Iterator[bytes]: ...
+
+    def size(self, sha: str) -> int: ...
+
+    def blobs(self) -> Iterator[tuple[str, float]]:
+        """Every blob with its modification time (epoch seconds)."""
+        ...
+
+    def delete_blob(self, sha: str) -> None: ...
+
+    def put_manifest(self, snapshot_id: str, manifest: dict[str, Any]) -> None: ...
+
+    def manifest(self, snapshot_id: str) -> dict[str, Any] | None: ...
+
+    def manifests(self) -> list[str]: ...
+
+    def delete_manifest(self, snapshot_id: str) -> None: ...
+
+
+class FsBlobStore:
+    """Blobs and manifests under ``root`` (``<state dir>/snapshots`` by default)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        for sub in ("blobs", "manifests", "tmp"):
+            (root / sub).mkdir(parents=True, exist_ok=True)
+
+    def _blob(self, sha: str) -> Path:
+        if len(sha) != 64 or any(c not in "0123456789abcdef" for c in sha):
+            raise SnapshotCorrupt(f"not a SHA-256: {sha!r}")
+        return self.root / "blobs" / sha[:2] / sha
+
+    def _tmp(self) -> Path:
+        return self.root / "tmp" / f"{os.getpid()}-{os.urandom(8).hex()}"
+
+    def has(self, sha: str) -> bool:
+        return self._blob(sha).is_file()
+
+    def touch(self, sha: str) -> bool:
+        try:
+            os.utime(self._blob(sha))
+        except FileNotFoundError:
+            return False
+        return True
+
+    def put_stream(self, sha: str, pieces: Iterable[bytes]) -> int:
+        """Written to a temporary file, hashed as it goes, renamed into place only when
+        the hash matches: a reader never sees a partial or wrong blob."""
+        tmp = self._tmp()
+        digest = hashlib.sha256()
+        size = 0
+        try:
+            with open(tmp, "wb") as f:
+                for piece in pieces:
+                    digest.update(piece)
+                    size += len(piece)
+                    f.write(piece)
+                f.flush()
+                os.fsync(f.fileno())
+            if digest.hexdigest() != sha:
+                raise SnapshotFailed(
+                    f"content read does not match its listing ({digest.hexdigest()} != {sha}):"
+                    " the file changed during the capture"
+                )
+            final = self._blob(sha)
+            final.parent.mkdir(exist_ok=True)
+            os.replace(tmp, final)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+        return size
+
+    def chunks(self, sha: str) -> Iterator[bytes]:
+        try:
+            f = open(self._blob(sha), "rb")  # noqa: SIM115 (closed by the generator)
+        except FileNotFoundError:
+            raise SnapshotCorrupt(f"blob {sha} is missing from the store") from None
+        with f:
+            while piece := f.read(PIECE):
+                yield piece
+
+    def size(self, sha: str) -> int:
+        try:
+            return self._blob(sha).stat().st_size
+        except FileNotFoundError:
+            raise SnapshotCorrupt(f"blob {sha} is missing from the store") from None
+
+    def blobs(self) -> Iterator[tuple[str, float]]:
+        for sub in sorted((self.root / "blobs").iterdir()):
+            for blob in sorted(sub.iterdir()):
+                with contextlib.suppress(FileNotFoundError):
+                    yield blob.name, blob.stat().st_mtime
+
+    def delete_blob(self, sha: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self._blob(sha).unlink()
+
+    def _manifest(self, snapshot_id: str) -> Path:
+        if not snapshot_id.isalnum():
+            raise SnapshotCorrupt(f"not a snapshot id: {snapshot_id!r}")
+        return self.root / "manifests" / f"{snapshot_id}.json"
+
+    def put_manifest(self, snapshot_id: str, manifest: dict[str, Any]) -> None:
+        tmp = self._tmp()
+        with open(tmp, "w") as f:
+            json.dump(manifest, f, separators=(",", ":"))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self._manifest(snapshot_id))
+
+    def manifest(self, snapshot_id: str) -> dict[str, Any] | None:
+        try:
+            data: dict[str, Any] = json.loads(self._manifest(snapshot_id).read_text())
+        except FileNotFoundError:
+            return None
+        return data
+
+    def manifests(self) -> list[str]:
+        return sorted(p.stem for p in (self.root / "manifests").glob("*.json"))
+
+    def delete_manifest(self, snapshot_id: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self._manifest(snapshot_id).unlink()
+
+    def last_sweep(self) -> float:
+        """When the GC last swept this store (epoch seconds; 0 when never)."""
+        try:
+            return (self.root / "last-sweep").stat().st_mtime
+        except FileNotFoundError:
+            return 0.0
+
+    def mark_sweep(self) -> None:
+        (self.root / "last-sweep").touch()
+
+    def sweep_tmp(self, older_than_s: float) -> int:
+        """Temporary files a crashed writer left behind."""
+        removed = 0
+        cutoff = time.time() - older_than_s
+        for tmp in (self.root / "tmp").iterdir():
+            with contextlib.suppress(FileNotFoundError):
+                if tmp.stat().st_mtime < cutoff:
+                    tmp.unlink()
+                    removed += 1
+        return removed
+
+
+def default_store(state_dir: Path) -> FsBlobStore:
+    return FsBlobStore(state_dir / "snapshots")
+
+
+def manifest_blobs(manifest: dict[str, Any]) -> set[str]:
+    return {e["d"] for e in manifest.get("entries", []) if e.get("k") == "f"}

@@ -1,0 +1,134 @@
+"""execd's snapshot routes on their own (on the oldest Python execd supports): a capture
+lists everything, a restore brings a changed tree back exactly and verifies it, a put is
+streamed past the body limit, and a wrong blob is refused without breaking the connection.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import http.client
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support.execd_daemon import Client, Daemon
+
+pytestmark = pytest.mark.integration
+LIMIT = 1 << 20  # --max-body-bytes: a put larger than this must still pass
+
+
+@pytest.fixture
+def small_body_daemon(tmp_path: Path) -> Any:
+    d = Daemon(tmp_path, args=["--max-body-bytes", str(LIMIT)])
+    yield d
+    d.stop()
+
+
+def _pack(files: list[tuple[str, bytes, str | None, int]]) -> bytes:
+    """A put pack: per file a JSON head line, then its bytes."""
+    out = b""
+    for path, data, sha, mode in files:
+        head = {"p": path, "s": len(data), "d": sha or hashlib.sha256(data).hexdigest(), "m": mode}
+        out += json.dumps(head).encode() + b"\n" + data
+    return out
+
+
+def _put(c: Client, files: list[tuple[str, bytes, str | None, int]]) -> Any:
+    return c.request(
+        "PUT", "/v1/snapshot/put", _pack(files), {"Content-Type": "application/octet-stream"}
+    )
+
+
+def _blob(daemon: Any, path: str) -> bytes:
+    """The raw bytes of ``/v1/snapshot/blob`` (not JSON: the test client cannot read it)."""
+    conn = http.client.HTTPConnection("127.0.0.1", daemon.port, timeout=60)
+    try:
+        conn.request(
+            "POST",
+            "/v1/snapshot/blob",
+            json.dumps({"path": path}),
+            {"Authorization": "Bearer " + daemon.token},
+        )
+        resp = conn.getresponse()
+        assert resp.status == 200
+        return resp.read()
+    finally:
+        conn.close()
+
+
+def _restore(c: Client, listing: dict[str, Any], contents: dict[str, bytes]) -> Any:
+    body = {"roots": listing["roots"], "entries": listing["entries"]}
+    need = c.post("/v1/snapshot/prepare", body)["need"]
+    modes = {e["p"]: e["m"] for e in listing["entries"]}
+    if need:  # every file in one pack
+        files = [(e["p"], contents[e["p"]], None, modes[e["p"]]) for e in need]
+        code, doc = _put(c, files)
+        assert (code, doc["files"]) == (200, len(need)), doc
+    return need, c.request("POST", "/v1/snapshot/finish", {**body, "session": listing["session"]})
+
+
+def test_a_changed_tree_is_restored_exactly_and_verified(small_body_daemon: Any) -> None:
+    c = small_body_daemon.client()
+    work = small_body_daemon.workdir
+    (work / "src" / "deep").mkdir(parents=True)
+    big = os.urandom(4 * LIMIT)
+    files = {"src/deep/big.bin": big, "src/a.py": b"print(1)\n", "run.sh": b"#!/bin/sh\n"}
+    for rel, data in files.items():
+        (work / rel).write_bytes(data)
+    os.chmod(work / "run.sh", 0o751)
+    os.symlink("src/a.py", work / "link")
+    c.exec("cd src && export SNAP_VAR=kept")
+    listing = c.post("/v1/snapshot/capture")
+    assert listing["session"]["cwd"] == str(work / "src")
+    kinds = sorted((e["p"][len(str(work)) :], e["k"]) for e in listing["entries"])
+    assert kinds == [
+        ("", "d"), ("/link", "l"), ("/run.sh", "f"), ("/src", "d"), ("/src/a.py", "f"),
+        ("/src/deep", "d"), ("/src/deep/big.bin", "f"),
+    ]  # fmt: skip
+    contents = {str(work / rel): data for rel, data in files.items()}
+    assert _blob(small_body_daemon, str(work / "src/deep/big.bin")) == big
+    # Change everything, then restore.
+    (work / "src/a.py").write_bytes(b"changed\n")
+    (work / "run.sh").unlink()
+    (work / "link").unlink()
+    (work / "extra").mkdir()
+    (work / "extra/f").write_bytes(b"x")
+    c.exec("cd / && export SNAP_VAR=lost")
+    need, (code, doc) = _restore(c, listing, contents)
+    assert code == 200, doc
+    assert sorted(n["p"] for n in need) == [str(work / "run.sh"), str(work / "src/a.py")]
+    assert (work / "src/a.py").read_bytes() == b"print(1)\n"
+    assert oct(os.stat(work / "run.sh").st_mode & 0o7777) == oct(0o751)
+    assert os.readlink(work / "link") == "src/a.py"
+    assert not (work / "extra").exists()
+    assert c.exec('pwd; echo "$SNAP_VAR"')["stdout"] == f"{work / 'src'}\nkept\n"
+    # The big file went through a put four times the body limit.
+    (work / "src/deep/big.bin").unlink()
+    need, (code, doc) = _restore(c, listing, contents)
+    assert code == 200, doc
+    assert [n["p"] for n in need] == [str(work / "src/deep/big.bin")]
+    assert (work / "src/deep/big.bin").read_bytes() == big
+
+
+def test_a_wrong_blob_or_a_tampered_tree_is_refused(small_body_daemon: Any) -> None:
+    c = small_body_daemon.client()
+    work = small_body_daemon.workdir
+    (work / "f").write_bytes(b"right")
+    listing = c.post("/v1/snapshot/capture")
+    (work / "f").unlink()
+    c.post("/v1/snapshot/prepare", {"roots": listing["roots"], "entries": listing["entries"]})
+    wrong = hashlib.sha256(b"right").hexdigest()
+    code, doc = _put(c, [(str(work / "f"), b"wrong", wrong, 0o644)])
+    assert (code, doc["error"]["code"]) == (422, "blob_mismatch")
+    assert not (work / "f").exists()
+    assert c.exec("echo same connection")["stdout"] == "same connection\n"
+    assert _put(c, [(str(work / "f"), b"right", None, 0o644)])[0] == 200
+    (work / "f").write_bytes(b"tampered after the put")
+    code, doc = c.request(
+        "POST", "/v1/snapshot/finish", {"roots": listing["roots"], "entries": listing["entries"]}
+    )
+    assert (code, doc["error"]["code"]) == (422, "restore_mismatch")
+    assert "differs " + str(work / "f") in doc["error"]["message"]

@@ -1,0 +1,91 @@
+"""Snapshots and fork on the local backend, both transports, against the real stack.
+
+A SWE-style sandbox (the SWE image's git repository at /repo as the workdir, so the
+default roots are that repository) is changed in every way a snapshot must carry: new
+files and directories, a deleted file of the image, modes, a symlink, the shell's cwd and
+an exported variable. Its forks must show all of it, and be independent of each other
+and of their source.
+"""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from broker.errors import SandmanError
+from broker.ledger import store
+from tests.integration.client.test_transports import Handle, Trainer
+from tests.support.images import SWE_IMAGE
+
+pytestmark = pytest.mark.integration
+
+
+def _job(sessions: Any, name: str, **config: Any) -> str:
+    with sessions.begin() as session:
+        store.ensure_job(session, name, **config)
+    return name
+
+
+def _out(sb: Handle, command: str) -> str:
+    result = sb.exec(command)
+    assert result.exit_code == 0, (command, result.stdout, result.stderr)
+    return str(result.stdout)
+
+
+def _change_everything(sb: Handle) -> str:
+    """Every kind of change; returns the image file it deleted."""
+    victim = _out(sb, "cd /repo && git ls-files | sort | head -1").strip()
+    assert victim
+    sb.write_file("/repo/new/deep/file.txt", "forked content\n", mode=0o640)
+    sb.write_file("/repo/run.sh", "#!/bin/sh\necho ran\n", mode=0o751)
+    _out(sb, f"rm /repo/{shlex.quote(victim)}")
+    _out(sb, "ln -s new/deep/file.txt /repo/link && chmod 0750 /repo/new/deep")
+    _out(sb, "cd /repo/new && export FORK_VAR='a b'")
+    return victim
+
+
+def _check_carried(sb: Handle, victim: str) -> None:
+    assert sb.read_text("/repo/new/deep/file.txt") == "forked content\n"
+    modes = _out(sb, "stat -c '%a %n' /repo/new/deep/file.txt /repo/run.sh /repo/new/deep")
+    assert modes.split("\n")[:3] == [
+        "640 /repo/new/deep/file.txt",
+        "751 /repo/run.sh",
+        "750 /repo/new/deep",
+    ]
+    assert _out(sb, "readlink /repo/link").strip() == "new/deep/file.txt"
+    assert _out(sb, "cat /repo/link") == "forked content\n"
+    assert _out(sb, f"test -e /repo/{shlex.quote(victim)} && echo present || echo gone") == (
+        "gone\n"
+    )
+    assert _out(sb, 'pwd; echo "$FORK_VAR"') == "/repo/new\na b\n"
+    assert _out(sb, "/repo/run.sh") == "ran\n"
+
+
+def test_fork_carries_every_change_and_forks_are_independent(
+    make_trainer: Callable[..., Trainer], sessions: Any
+) -> None:
+    trainer = make_trainer(owner="fork")
+    job = _job(sessions, f"fork-{trainer.flavour}")
+    sb = trainer.open(image=SWE_IMAGE, job=job, workdir="/repo", timeout=120)
+    forks: list[Any] = []
+    try:
+        victim = _change_everything(sb)
+        forks = sb.fork(2)
+        assert all(not isinstance(f, SandmanError) for f in forks), forks
+        handles = [Handle(f, trainer.run) for f in forks]
+        for fork in handles:
+            _check_carried(fork, victim)
+        handles[0].write_file("/repo/only-in-fork-0", "x")
+        _out(handles[0], "rm /repo/run.sh")
+        seen = "for f in only-in-fork-0 run.sh; do test -e /repo/$f && echo $f; done; true"
+        assert _out(handles[0], seen) == "only-in-fork-0\n"
+        assert _out(handles[1], seen) == "run.sh\n"  # fork 0's write and delete are its own
+        assert _out(sb, seen) == "run.sh\n"
+    finally:
+        for fork in forks:
+            if not isinstance(fork, SandmanError):
+                Handle(fork, trainer.run).release()
+        sb.release()
