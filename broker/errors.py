@@ -169,13 +169,14 @@ class AtCapacity(InfrastructureError, TemporaryError):
 
 
 class QuotaExceeded(InfrastructureError, TemporaryError):
-    """The job's tenant is over one of its quotas (``quota``: ``max_live`` or
-    ``creates_per_minute``); nothing was written and no pod exists.
+    """The job's tenant is over one of its quotas (``quota``: ``max_live``,
+    ``creates_per_minute`` or ``snapshot_bytes``); nothing was written and no pod exists.
 
     Unlike ``AtCapacity`` (a job's own cap, waited out in the queue), a tenant's quota is
     answered to the trainer at once: a team over its share should hear so, not queue.
     ``retry_after_s`` is when asking again can succeed: exact for the create rate (the
-    oldest create leaves the minute), a hint for the live quota (a release frees it)."""
+    oldest create leaves the minute) and for snapshot bytes (enough of the tenant's
+    snapshots expire), a hint for the live quota (a release frees it)."""
 
     code = "quota_exceeded"
     tenant: str | None = None

@@ -69,6 +69,8 @@ class LeakKind(StrEnum):
 # schema allows is never refused (str.isalnum would also accept "é").
 TENANT_NAME_PATTERN = r"^[A-Za-z0-9.-]{1,63}$"
 TENANT_MAX_QUOTA = 10_000_000  # the largest quota value the API accepts (null: no limit)
+# ... except for a quota in bytes, where ten million would be ten megabytes: 1 PiB.
+TENANT_MAX_QUOTA_BYTES = 1 << 50
 
 # Pod labels: the GC trusts only pods whose installation label and nonce it wrote.
 LABEL_INSTALLATION = "sandman.io/installation"

@@ -60,6 +60,7 @@ class Tenant(Base):
     name: Mapped[str] = mapped_column(String(63), primary_key=True)
     max_live: Mapped[int | None] = mapped_column(Integer)  # live sandboxes, warm ones included
     creates_per_minute: Mapped[int | None] = mapped_column(Integer)  # intents, sliding minute
+    snapshot_bytes: Mapped[int | None] = mapped_column(BigInteger)  # listed by live snapshots
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     updated_at: Mapped[dt.datetime] = mapped_column(
         DateTime(timezone=True), default=utcnow, onupdate=utcnow
@@ -260,6 +261,7 @@ class Snapshot(Base):
     __table_args__ = (
         Index("ix_snapshots_job_state", "job", "state"),
         Index("ix_snapshots_expires_at", "expires_at"),
+        Index("ix_snapshots_tenant_state", "tenant", "state"),
     )
 
     id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
@@ -267,6 +269,8 @@ class Snapshot(Base):
     # Whose store holds its blobs: the GC and the audit of one installation see only its own.
     installation: Mapped[str] = mapped_column(String(63))
     sandbox_id: Mapped[str | None] = mapped_column(String(32))  # the sandbox it was taken of
+    # The tenant its job had at capture, billed for its bytes (as ``sandboxes.tenant``).
+    tenant: Mapped[str | None] = mapped_column(String(63))
     image: Mapped[str] = mapped_column(String(512))
     image_digest: Mapped[str | None] = mapped_column(String(128))
     state: Mapped[str] = mapped_column(String(16), default="capturing")
