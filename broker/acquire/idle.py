@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -96,11 +97,22 @@ class Verdict:
 
 @dataclass
 class SweepReport:
+    """What one sweep did: how many entries were due and what became of each."""
+
     due: int = 0
     reclaimed: list[str] = field(default_factory=list)
     rescheduled: int = 0
     dropped: int = 0
     errors: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, outcome: str, sandbox_id: str) -> None:
+        """Counted from the sweep's pool threads, hence the lock."""
+        with self._lock:
+            if outcome == "reclaimed":
+                self.reclaimed.append(sandbox_id)
+            else:
+                setattr(self, outcome, getattr(self, outcome) + 1)
 
 
 class IdleReclaimer:
@@ -175,8 +187,11 @@ class IdleReclaimer:
         if not due:
             return report
         rows = self._held(due)
-        for verdict in self._pool.map(lambda sid: self._judge(sid, rows.get(sid), now), due):
-            self._apply(verdict, report)
+
+        def settle(sid: str) -> None:  # judged and applied in the pool: no serial tail
+            self._apply(self._judge(sid, rows.get(sid), now), report)
+
+        list(self._pool.map(settle, due))
         return report
 
     def _held(self, ids: Iterable[str]) -> dict[str, tuple[Sandbox, float | None]]:
@@ -226,18 +241,18 @@ class IdleReclaimer:
         try:
             if verdict.reclaimed:
                 self._revoke(sid, verdict.idle_s)
-                report.reclaimed.append(sid)
                 self.redis.zrem(key, sid)
+                report.add("reclaimed", sid)
             elif verdict.next_at is None:
-                report.dropped += 1
                 self.redis.zrem(key, sid)
+                report.add("dropped", sid)
             else:
-                report.rescheduled += 1
                 self.redis.zadd(key, {sid: verdict.next_at})
+                report.add("rescheduled", sid)
         except Exception:
             # The entry keeps its claimed score: it comes due again in CLAIM_LEASE_S.
             log.exception("idle reclaim of %s failed; retried later", sid)
-            report.errors += 1
+            report.add("errors", sid)
 
     def _revoke(self, sandbox_id: str, idle_s: float | None) -> None:
         """execd refuses already; now the client's marker, the ledger, the delete."""
