@@ -200,8 +200,15 @@ def main() -> int:
         registered_late = 0
         while client.redis.zcard(IDLE_DEADLINES_KEY) < len(idle) + len(busy):
             time.sleep(0.1)
-        if time.time() > min(sent.values()) + timeout_s:
+        registered_after = time.time() - min(sent.values())
+        if registered_after > timeout_s:
             registered_late = 1  # a deadline registered after it passed: latency inflated
+        spread = max(sent.values()) - min(sent.values())
+        print(
+            f"used all {len(sent)} within {spread:.1f} s; every deadline registered "
+            f"{registered_after:.1f} s after the first use",
+            flush=True,
+        )
         for w in workers:
             w.join()
         ids = [sb.id for sb in idle]
@@ -236,6 +243,7 @@ def main() -> int:
             acquire_s=held_s,
             ram_mb_each=per_mb,
             registered_late=registered_late,
+            touch_spread_s=spread,
         )
         save("idle_reclaim", doc)
         return 0 if not violations and not early and len(lat) == len(ids) else 1

@@ -27,7 +27,7 @@ from redis.exceptions import RedisError
 
 from broker.client import core
 from broker.client.base import ClientBase, ClientOptions, SandboxBase
-from broker.errors import SandboxLost, SandmanError, ServiceUnavailable
+from broker.errors import SandboxLost, SandboxReclaimed, SandmanError, ServiceUnavailable
 from broker.wire import mailbox, warm
 from broker.wire.execd import AsyncExecdCalls, Call, RunChunk, RunResult
 from broker.wire.snapshots import Snapshot
@@ -79,7 +79,10 @@ class AsyncSandbox(SandboxBase, AsyncExecdCalls):
             marker = await self.client.redis.get(key) if key else None
         except RedisError:
             return exc  # cannot tell: the failure as it was
-        return core.lost_error(exc, self.id, marker)
+        error = core.lost_error(exc, self.id, marker)
+        if isinstance(error, SandboxReclaimed):
+            self.client.heartbeats.remove(self.id)  # its lease went with it
+        return error
 
     async def healthy(self, timeout: float = 2.0) -> bool:
         return await self._execd.healthy_async(self.client.http, timeout)

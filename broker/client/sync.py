@@ -36,7 +36,7 @@ import redis as redis_lib
 
 from broker.client import core
 from broker.client.base import ClientBase, ClientOptions, SandboxBase
-from broker.errors import SandboxLost, SandmanError, ServiceUnavailable
+from broker.errors import SandboxLost, SandboxReclaimed, SandmanError, ServiceUnavailable
 from broker.names import Queue
 from broker.wire import mailbox, warm
 from broker.wire.execd import Call, ExecdCalls, ExecResult, RunChunk, RunResult
@@ -98,7 +98,10 @@ class Sandbox(SandboxBase, ExecdCalls):
             marker = self.client.redis.get(key) if key else None
         except redis_lib.RedisError:
             return exc  # cannot tell: the failure as it was
-        return core.lost_error(exc, self.id, marker)
+        error = core.lost_error(exc, self.id, marker)
+        if isinstance(error, SandboxReclaimed):
+            self.client.heartbeats.remove(self.id)  # its lease went with it
+        return error
 
     def healthy(self, timeout: float = 2.0) -> bool:
         return self._execd.healthy(self.client.http, timeout)

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 import redis as redis_lib
-from sqlalchemy import select
+from sqlalchemy import select, text
 
 from broker.client import AsyncSandboxClient, SandboxClient
 from broker.errors import SandboxLost, SandboxReclaimed
@@ -97,6 +97,15 @@ def test_an_idle_sandbox_is_reclaimed_and_its_next_call_says_so(
     with pytest.raises(SandboxReclaimed):
         sb.exec("true")  # execd refuses (410), or its pod is gone already: the same error
     wait_until(lambda: _deleted(sessions, sb.id), what="the reclaimed sandbox deleted")
+    with sessions() as session:  # what an auditor reads (migration 0002's view)
+        audited = session.execute(
+            text(
+                "SELECT release_reason, release_requested_by FROM audit.sandboxes"
+                " WHERE sandbox_id = :id"
+            ),
+            {"id": sb.id},
+        ).one()
+    assert tuple(audited) == ("idle", "idle-reclaim")
     with pytest.raises(SandboxReclaimed, match="reclaimed after"):
         sb.exec("true")  # no execd any more: the broker's marker says why
     with pytest.raises(SandboxReclaimed):
