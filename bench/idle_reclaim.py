@@ -7,14 +7,14 @@ Runs its own stack (embedded PostgreSQL and Redis, the real Celery workers and b
   N idle     N held sandboxes, each used once (an exec) at about the same moment, then left
              idle: latency = the ledger's reclaim (ready -> releasing, reason idle) minus
              (the moment the exec was SENT + the timeout), so never flattering
-  busy       B more held sandboxes running a command twice as long as the timeout: none
+  busy       B more held sandboxes running a command 1.5 times as long as the timeout: none
              may be reclaimed before its command ended (reported as violations), and each
              is reclaimed after its end plus the timeout
 
 The timeout is set on the job only after every sandbox was used (the reconcile puts their
 deadlines in), so the creates do not compete with the sweeps being measured.
 
-    flock /work/bench.lock .venv/bin/python bench/idle_reclaim.py --n 300 --timeout-s 20
+    flock /work/bench.lock .venv/bin/python bench/idle_reclaim.py --n 1000 --timeout-s 60
 """
 
 from __future__ import annotations
@@ -52,9 +52,9 @@ def line(name: str, values: list[float], baseline: float | None = None) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--n", type=int, default=300, help="idle held sandboxes")
+    parser.add_argument("--n", type=int, default=1000, help="idle held sandboxes")
     parser.add_argument("--busy", type=int, default=10, help="held sandboxes running a command")
-    parser.add_argument("--timeout-s", type=float, default=20.0)
+    parser.add_argument("--timeout-s", type=float, default=60.0)
     parser.add_argument("--repeat", type=int, default=5, help="baseline reclaims")
     parser.add_argument("--threads", type=int, default=32, help="trainer threads")
     parser.add_argument(
@@ -184,7 +184,7 @@ def main() -> int:
         sent = touch(idle)
         ends: dict[str, float] = {}
         starts: dict[str, float] = {}
-        long_s = 2 * timeout_s
+        long_s = 1.5 * timeout_s
 
         def busy_run(sb: Sandbox) -> None:
             starts[sb.id] = time.time()
