@@ -30,7 +30,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import ms, pct, run_threads, save
+from bench.common import ms, pct, run_threads, save, stop_services
 
 IMAGE = "localhost/sandman-task-base:v1"  # in the local store (make local-images)
 
@@ -250,6 +250,7 @@ def main() -> int:
     finally:
         client.close()
         stack.stop(echo=lambda _line: None)
+        stop_services(settings)  # the stack leaves the embedded services running
 
 
 if __name__ == "__main__":
