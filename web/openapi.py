@@ -126,7 +126,7 @@ JOB = _obj(
     {
         "name": {"type": _S}, "tenant": _n(_S), "create_rate": _n(_F), "create_burst": _n(_I),
         "max_live": _n(_I), "max_concurrent_creates": _n(_I),
-        "readiness_budget_s": {"type": _F}, "idle_timeout_s": {"type": _F},
+        "readiness_budget_s": {"type": _F}, "idle_timeout_s": _n(_F),
         "lease_s": {"type": _F}, "egress": {"type": _S}, "reuse": {"type": _B},
         "max_reuses": {"type": _I}, "live": _COUNTS, "live_total": {"type": _I},
         "pools": {"type": "array", "items": _ref("Pool")},

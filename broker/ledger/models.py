@@ -81,7 +81,9 @@ class Job(Base):
     max_live: Mapped[int | None] = mapped_column(Integer)
     max_concurrent_creates: Mapped[int | None] = mapped_column(Integer)
     readiness_budget_s: Mapped[float] = mapped_column(Float, default=120.0)
-    idle_timeout_s: Mapped[float] = mapped_column(Float, default=300.0)
+    # Idle reclaim of held sandboxes (broker/acquire/idle.py); None: off. Warm pools have
+    # their own idle timeout per pool entry.
+    idle_timeout_s: Mapped[float | None] = mapped_column(Float, default=None)
     lease_s: Mapped[float] = mapped_column(Float, default=300.0)
     egress: Mapped[str] = mapped_column(String(16), default="allow")  # allow | deny | allowlist
     egress_allow: Mapped[list[str]] = mapped_column(JSON, default=list)
