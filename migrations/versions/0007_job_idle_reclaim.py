@@ -6,8 +6,8 @@ default now comes from the settings. The column is reused for the per-job idle r
 (broker/acquire/idle.py): nullable, and cleared on upgrade, so no existing job starts
 reclaiming held sandboxes without its operator asking for it.
 
-Revision ID: 0006_reclaim
-Revises: 0005
+Revision ID: 0007
+Revises: 0006
 Create Date: 2026-12-05 19:40:00
 """
 
@@ -16,8 +16,8 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-revision: str = "0006_reclaim"
-down_revision: str | None = "0005"
+revision: str = "0007"
+down_revision: str | None = "0006"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
