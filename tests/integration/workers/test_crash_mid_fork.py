@@ -29,7 +29,7 @@ from broker.names import Queue
 from broker.ownership.audit import run_audit
 from broker.ownership.gc import run_gc
 from broker.ownership.provider import Provider
-from broker.snapshots.store import default_store
+from broker.snapshots.store import open_store
 from tests.integration.workers.conftest import OwnBroker
 from tests.integration.workers.test_crash_mid_create import _running_sandboxes
 from tests.support.images import TASK_IMAGE
@@ -82,7 +82,7 @@ def test_a_worker_killed_mid_fork_leaves_nothing_unowned(own_broker: OwnBroker, 
         assert report.errors == []
         with sessions() as session:
             states = list(session.scalars(select(Snapshot.state).where(Snapshot.job == job)))
-        store = default_store(state_dir)
+        store = open_store(settings)
         if point == "snapshot-after-blobs":
             assert states == ["deleted"]  # the dead capture's row, collected
             assert not store.has(sha)  # and its blob
