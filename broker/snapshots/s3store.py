@@ -238,7 +238,12 @@ class S3BlobStore:
         return size
 
     def _start_upload(self, key: str) -> str:
-        return self.client.create_multipart_upload(Bucket=self.bucket, Key=key)["UploadId"]
+        """CRC32 part checksums declared up front, as AWS wants them repeated at completion
+        when parts carry them (botocore adds them to every part by default)."""
+        answer = self.client.create_multipart_upload(
+            Bucket=self.bucket, Key=key, ChecksumAlgorithm="CRC32"
+        )
+        return answer["UploadId"]
 
     def _upload_part(self, key: str, upload: str, number: int, data: bytearray) -> dict[str, Any]:
         if number > MAX_PARTS:
@@ -249,8 +254,13 @@ class S3BlobStore:
             UploadId=upload,
             PartNumber=number,
             Body=data,  # type: ignore[arg-type]  # botocore sends a bytearray as is
+            ChecksumAlgorithm="CRC32",
         )
-        return {"ETag": answer["ETag"], "PartNumber": number}
+        return {
+            "ETag": answer["ETag"],
+            "PartNumber": number,
+            "ChecksumCRC32": answer["ChecksumCRC32"],
+        }
 
     def _abort(self, key: str, upload: str) -> None:
         try:
