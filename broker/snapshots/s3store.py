@@ -30,6 +30,7 @@ import json
 import logging
 import time
 from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import boto3
@@ -52,6 +53,7 @@ log = logging.getLogger(__name__)
 
 PART = 8 << 20  # S3 wants >= 5 MiB per part but the last; 10,000 parts: blobs up to 78 GiB
 MAX_PARTS = 10_000
+TOUCHERS = 16  # concurrent touches (botocore's default pool holds 10: raised to match)
 MISSING = frozenset({"404", "NoSuchKey", "NotFound"})
 UNAVAILABLE = frozenset(
     {"SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout", "Throttling"}
@@ -104,6 +106,7 @@ class S3BlobStore:
             connect_timeout=10,
             read_timeout=120,
             retries={"max_attempts": 4, "mode": "standard"},
+            max_pool_connections=TOUCHERS,
             s3={"addressing_style": "path" if settings.snapshot_s3_endpoint else "auto"},
             signature_version="s3v4",
         )
@@ -196,6 +199,15 @@ class S3BlobStore:
             return False
         self._put(self._marker(sha), b"")
         return True
+
+    def touch_all(self, shas: Iterable[str]) -> set[str]:
+        """Two requests a file (HEAD, marker PUT): run ``TOUCHERS`` at a time (the client is
+        thread-safe) so an unchanged tree of thousands of files is not that many serial
+        round trips."""
+        wanted = list(dict.fromkeys(shas))
+        with ThreadPoolExecutor(min(TOUCHERS, len(wanted) or 1)) as pool:
+            found = list(pool.map(self.touch, wanted))
+        return {sha for sha, hit in zip(wanted, found, strict=True) if hit}
 
     def put_stream(self, sha: str, pieces: Iterable[bytes]) -> int:
         """Hashed as it streams; a part is uploaded as soon as it is full, so memory holds

@@ -45,6 +45,11 @@ class BlobStore(Protocol):
         """Refresh the blob's time (so the sweep spares it); False when it is absent."""
         ...
 
+    def touch_all(self, shas: Iterable[str]) -> set[str]:
+        """``touch`` of each: those present (and now young). One call per capture, so a
+        remote store can overlap the round trips of a tree of thousands of files."""
+        ...
+
     def put_stream(self, sha: str, pieces: Iterable[bytes]) -> int:
         """Store the pieces as blob ``sha``, verifying the hash; the bytes written."""
         ...
@@ -122,6 +127,9 @@ class FsBlobStore:
         except FileNotFoundError:
             return False
         return True
+
+    def touch_all(self, shas: Iterable[str]) -> set[str]:
+        return {sha for sha in shas if self.touch(sha)}
 
     def put_stream(self, sha: str, pieces: Iterable[bytes]) -> int:
         """Written to a temporary file, hashed as it goes, renamed into place only when

@@ -163,6 +163,19 @@ def test_touch_makes_an_old_blob_young(store: BlobStore, server: S3Server | None
     assert young > time.time() - 600
 
 
+def test_touch_all_touches_what_is_stored_and_names_it(
+    store: BlobStore, server: S3Server | None
+) -> None:
+    stored = [_sha(b"%d" % i) for i in range(40)]
+    for i, sha in enumerate(stored):
+        store.put_stream(sha, [b"%d" % i])
+        backdate(store, sha, 3600, server)
+    absent = [_sha(b"absent %d" % i) for i in range(10)]
+    assert store.touch_all([*absent, *stored, stored[0]]) == set(stored)
+    assert all(t > time.time() - 600 for _, t in store.blobs())
+    assert store.touch_all([]) == set()
+
+
 def test_the_sweep_spares_young_and_touched_blobs_and_deletes_old_ones(
     store: BlobStore, server: S3Server | None, sessions: Any
 ) -> None:
