@@ -15,7 +15,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-12)
 PYTEST_ARGS ?=
 
 .PHONY: host-deps venv local-images demo up test lint format typecheck test-unit test-integration test-cluster \
-        cluster-up cluster-down services-up services-down broker-image broker-image-import \
+        cluster-up cluster-down services-up services-down broker-image broker-image-import s3-server \
         deploy-local kind-up kind-down bench-execd bench-broker bench-campaign bench-report
 
 venv: $(STAMP)
@@ -52,6 +52,11 @@ cluster-up:
 
 cluster-down:
 	deploy/localcluster/down.sh
+
+# The S3-compatible server (versitygw) the S3 snapshot store is tested against, built from
+# the Go module proxy once and cached; the tests start private instances of it on loopback.
+s3-server:
+	deploy/localcluster/build.sh versitygw
 
 broker-image:
 	deploy/broker-image/build.sh
@@ -98,14 +103,14 @@ typecheck: venv
 test-unit: venv
 	$(BIN)/pytest -m unit $(PYTEST_ARGS)
 
-test-integration: venv services-up
+test-integration: venv services-up s3-server
 	$(BIN)/pytest -m integration $(PYTEST_ARGS)
 
 test-cluster: venv cluster-up
 	$(BIN)/pytest -m cluster $(PYTEST_ARGS)
 
 # The whole suite: lint, services, the local cluster, then every tier.
-test: host-deps venv lint services-up cluster-up
+test: host-deps venv lint services-up cluster-up s3-server
 	$(BIN)/sandman db upgrade
 	$(BIN)/sandman db check
 	$(BIN)/pytest $(PYTEST_ARGS)

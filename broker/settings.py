@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import types
 import typing
 from collections.abc import Mapping
@@ -20,7 +21,16 @@ from broker.errors import ConfigError
 
 Backend = Literal["local", "kubernetes"]
 PREFIX = "SANDMAN_"
-_SECRET_FIELDS = frozenset({"admin_token", "admin_password", "secret_key", "viewer_token"})
+_SECRET_FIELDS = frozenset(
+    {
+        "admin_token",
+        "admin_password",
+        "secret_key",
+        "viewer_token",
+        "snapshot_s3_access_key",
+        "snapshot_s3_secret_key",
+    }
+)
 _URL_FIELDS = frozenset({"database_url", "redis_url"})
 
 
@@ -76,6 +86,15 @@ class Settings:
     # and how long the GC spares a capture in progress and a blob no manifest names yet.
     snapshot_ttl_s: float = 86400.0
     snapshot_grace_s: float = 600.0
+    # Where snapshot blobs and manifests live: "" = <state_dir>/snapshots (one machine), or
+    # "s3://bucket/prefix" on an S3-compatible store that every worker shares (a cluster).
+    # Endpoint "" = AWS's own for the region; empty keys = boto3's own chain (AWS_*
+    # variables, its credentials file, an instance or pod role). Keys are never logged.
+    snapshot_store: str = ""
+    snapshot_s3_endpoint: str = ""
+    snapshot_s3_region: str = "us-east-1"
+    snapshot_s3_access_key: str = ""
+    snapshot_s3_secret_key: str = ""
     execd_port: int = 8080
     web_host: str = "127.0.0.1"
     web_port: int = 8000
@@ -115,6 +134,19 @@ class Settings:
         if self.snapshot_ttl_s <= 0 or self.snapshot_grace_s < 0:
             raise ConfigError("SANDMAN_SNAPSHOT_TTL_S must be > 0, SANDMAN_SNAPSHOT_GRACE_S >= 0")
         parse_registries(self.registries)  # ConfigError now, not at the first acquire
+        parse_snapshot_store(self.snapshot_store)
+        if bool(self.snapshot_s3_access_key) != bool(self.snapshot_s3_secret_key):
+            raise ConfigError(
+                "SANDMAN_SNAPSHOT_S3_ACCESS_KEY and SANDMAN_SNAPSHOT_S3_SECRET_KEY go together"
+            )
+        endpoint = urlsplit(self.snapshot_s3_endpoint)
+        if self.snapshot_s3_endpoint and (
+            endpoint.scheme not in ("http", "https") or not endpoint.netloc
+        ):
+            raise ConfigError(
+                f"SANDMAN_SNAPSHOT_S3_ENDPOINT {self.snapshot_s3_endpoint!r} is not"
+                " http(s)://host[:port]"
+            )
         for name in ("embedded_pg_port", "embedded_redis_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ConfigError(
@@ -157,6 +189,24 @@ def parse_registries(raw: str) -> dict[str, str]:
             raise ConfigError(f"SANDMAN_REGISTRIES entry {item!r} is not host=http(s)://endpoint")
         table[host.strip()] = endpoint.strip().rstrip("/")
     return table
+
+
+_BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
+
+
+def parse_snapshot_store(raw: str) -> tuple[str, str] | None:
+    """``SANDMAN_SNAPSHOT_STORE`` -> None for the state dir's filesystem (empty), or
+    (bucket, prefix) for ``s3://bucket[/prefix]``, the prefix empty or ending in ``/``;
+    ConfigError for anything else."""
+    if not raw:
+        return None
+    url = urlsplit(raw)
+    prefix = url.path.strip("/")
+    if url.scheme != "s3" or not _BUCKET.fullmatch(url.netloc) or url.query or url.fragment:
+        raise ConfigError(
+            f"SANDMAN_SNAPSHOT_STORE {raw!r} is not empty (the state dir) nor s3://bucket[/prefix]"
+        )
+    return url.netloc, f"{prefix}/" if prefix else ""
 
 
 def redact_url(url: str) -> str:

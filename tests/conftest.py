@@ -15,7 +15,12 @@ import pytest
 
 # Fixtures shared across feature folders (execd daemons, the admin app over a fake backend),
 # and the environment scrub that runs before any of them reads SANDMAN_* variables.
-pytest_plugins = ["tests.support.env", "tests.support.execd_daemon", "tests.support.web_app"]
+pytest_plugins = [
+    "tests.support.env",
+    "tests.support.execd_daemon",
+    "tests.support.web_app",
+    "tests.support.s3server",
+]
 
 TIERS = ("unit", "integration", "cluster")
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")

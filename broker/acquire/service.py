@@ -50,7 +50,7 @@ from broker.pools.store import WarmStore, parse_pools
 from broker.pools.upkeep import REFILL_BUDGET_S, Enqueue, PoolUpkeep
 from broker.settings import Settings
 from broker.snapshots.service import SnapshotService
-from broker.snapshots.store import default_store
+from broker.snapshots.store import open_store
 from broker.wire import mailbox
 from broker.wire.errors import payload_details
 from broker.wire.request import AcquireRequest
@@ -152,7 +152,7 @@ class Broker:
         if self._snapshots is None:
             self._snapshots = SnapshotService(
                 self.sessions,
-                default_store(self.settings.state_dir),
+                open_store(self.settings),
                 self.provider.token_for,
                 installation=self.settings.installation_id,
                 default_ttl_s=self.settings.snapshot_ttl_s,

@@ -22,13 +22,13 @@ if TYPE_CHECKING:
 def _service(ctx: click.Context) -> tuple[Root, SnapshotService]:
     """A one-shot root and a snapshot service on it (the caller disposes of the root)."""
     from broker.snapshots.service import SnapshotService
-    from broker.snapshots.store import default_store
+    from broker.snapshots.store import open_store
 
     settings = settings_of(ctx)
     root = tool_root(settings, actor="cli")
     service = SnapshotService(
         root.sessions,
-        default_store(settings.state_dir),
+        open_store(settings),
         root.provider().token_for,
         installation=settings.installation_id,
     )

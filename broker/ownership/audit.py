@@ -21,7 +21,7 @@ from broker.ledger.states import LIVE_STATES
 from broker.ownership.gc import GcReport, run_gc
 from broker.ownership.provider import Provider
 from broker.snapshots.collect import audit as snapshot_audit
-from broker.snapshots.store import default_store
+from broker.snapshots.store import open_store
 
 
 @dataclass
@@ -78,7 +78,7 @@ def run_audit(provider: Provider) -> AuditReport:
             report.leaks_open[kind] = int(count)
     report.snapshots = snapshot_audit(
         provider.sessions,
-        default_store(provider.settings.state_dir),
+        open_store(provider.settings),
         installation=provider.settings.installation_id,
     )
     return report

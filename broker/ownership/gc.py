@@ -38,7 +38,7 @@ from broker.ledger.models import GcPass, Job, Leak, Sandbox, utcnow
 from broker.ledger.states import LIVE_STATES, State
 from broker.ownership.provider import Provider
 from broker.snapshots.collect import collect
-from broker.snapshots.store import default_store
+from broker.snapshots.store import open_store
 
 GC_LAST_KEY = names.GC_LAST_KEY
 log = logging.getLogger(__name__)
@@ -132,7 +132,7 @@ def _collect_snapshots(provider: Provider, report: GcReport) -> None:
     try:
         done = collect(
             provider.sessions,
-            default_store(settings.state_dir),
+            open_store(settings),
             installation=settings.installation_id,
             grace_s=settings.snapshot_grace_s,
         )

@@ -27,7 +27,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from broker.ledger.models import Snapshot, utcnow
 from broker.snapshots.service import CAPTURING, DELETED, FAILED, READY
-from broker.snapshots.store import FsBlobStore, manifest_blobs
+from broker.snapshots.store import BlobStore, manifest_blobs
 
 SWEEP_EVERY_S = 300.0  # at most one manifest and blob sweep per this (or the grace)
 
@@ -47,7 +47,7 @@ class Collected:
 
 
 def collect(
-    sessions: sessionmaker[Session], store: FsBlobStore, *, installation: str, grace_s: float
+    sessions: sessionmaker[Session], store: BlobStore, *, installation: str, grace_s: float
 ) -> Collected:
     out = Collected()
     now = utcnow()
@@ -106,7 +106,7 @@ def _live_ids(sessions: sessionmaker[Session], installation: str) -> set[str]:
         )
 
 
-def _referenced(store: FsBlobStore, ids: set[str]) -> set[str]:
+def _referenced(store: BlobStore, ids: set[str]) -> set[str]:
     wanted: set[str] = set()
     for snap_id in ids:
         manifest = store.manifest(snap_id)
@@ -116,7 +116,7 @@ def _referenced(store: FsBlobStore, ids: set[str]) -> set[str]:
 
 
 def audit(
-    sessions: sessionmaker[Session], store: FsBlobStore, *, installation: str
+    sessions: sessionmaker[Session], store: BlobStore, *, installation: str
 ) -> dict[str, Any]:
     """Rows without blobs, blobs and manifests without rows (ids, sorted)."""
     with sessions() as session:

@@ -256,15 +256,14 @@ class SnapshotService:
             return snap.id
 
     def _store_blobs(self, ep: Endpoint, files: list[dict[str, Any]]) -> int:
+        """Blobs already stored are touched, all in one call, before any is pulled."""
+        seen = self.store.touch_all(e["d"] for e in files)
         stored = 0
-        seen: set[str] = set()
         for entry in files:
             sha = entry["d"]
-            if sha in seen or self.store.touch(sha):
+            if sha not in seen:
+                stored += self._pull(ep, entry["p"], sha)
                 seen.add(sha)
-                continue
-            stored += self._pull(ep, entry["p"], sha)
-            seen.add(sha)
         return stored
 
     def _settle(self, snap_id: str, state: str, error: str | None = None) -> None:

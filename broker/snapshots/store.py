@@ -1,16 +1,18 @@
 """The content-addressed blob store of snapshots: files stored once by SHA-256, a manifest
 per snapshot, everything streamed.
 
-One seam, ``BlobStore``; one implementation here, ``FsBlobStore``, the embedded default,
-in the state dir's filesystem. Why the filesystem and not PostgreSQL: blobs are written
-and read as streams of a megabyte at a time (PostgreSQL's large objects or bytea would put
-every byte through the ledger's WAL, vacuum and backups, and the ledger's sessions are
-short transactions by design); a blob is immutable and named by its hash, so a rename is
-all the atomicity it needs; deleting one is an unlink. On the local backend the sandboxes
-and the store then share one disk. An S3-compatible store for clusters implements the
-same methods over the same keys (``blobs/<sha[:2]>/<sha>``, ``manifests/<id>.json``):
-``put_stream`` maps to a multipart upload, ``chunks`` to a ranged GET body, ``touch`` to a
-copy-in-place that refreshes the object's time; nothing else in the broker changes.
+One seam, ``BlobStore``, two implementations: ``FsBlobStore`` here, the embedded default,
+in the state dir's filesystem, and ``S3BlobStore`` (``s3store.py``) for clusters, where
+every worker must see the same store; ``open_store`` picks one from the settings and every
+user (worker, GC, audit, CLI) goes through it. Both use the same keys
+(``blobs/<sha[:2]>/<sha>``, ``manifests/<id>.json``).
+
+Why the filesystem and not PostgreSQL for the default: blobs are written and read as
+streams of a megabyte at a time (PostgreSQL's large objects or bytea would put every byte
+through the ledger's WAL, vacuum and backups, and the ledger's sessions are short
+transactions by design); a blob is immutable and named by its hash, so a rename is all the
+atomicity it needs; deleting one is an unlink. On the local backend the sandboxes and the
+store then share one disk.
 
 Why ``touch``: a blob found already stored is reused by the new snapshot before its
 manifest exists; the sweep deletes only unreferenced blobs older than a grace, and a
@@ -29,6 +31,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from broker.errors import SnapshotCorrupt, SnapshotFailed
+from broker.settings import Settings, parse_snapshot_store
 
 PIECE = 1 << 20
 
@@ -40,6 +43,11 @@ class BlobStore(Protocol):
 
     def touch(self, sha: str) -> bool:
         """Refresh the blob's time (so the sweep spares it); False when it is absent."""
+        ...
+
+    def touch_all(self, shas: Iterable[str]) -> set[str]:
+        """``touch`` of each: those present (and now young). One call per capture, so a
+        remote store can overlap the round trips of a tree of thousands of files."""
         ...
 
     def put_stream(self, sha: str, pieces: Iterable[bytes]) -> int:
@@ -64,6 +72,37 @@ class BlobStore(Protocol):
 
     def delete_manifest(self, snapshot_id: str) -> None: ...
 
+    def last_sweep(self) -> float:
+        """When the GC last swept this store (epoch seconds; 0 when never)."""
+        ...
+
+    def mark_sweep(self) -> None: ...
+
+    def sweep_tmp(self, older_than_s: float) -> int:
+        """Partial writes a crashed writer left behind, older than this; how many went."""
+        ...
+
+
+def check_sha(sha: str) -> str:
+    """A blob name is a lowercase SHA-256, never a path."""
+    if len(sha) != 64 or any(c not in "0123456789abcdef" for c in sha):
+        raise SnapshotCorrupt(f"not a SHA-256: {sha!r}")
+    return sha
+
+
+def check_snapshot_id(snapshot_id: str) -> str:
+    if not snapshot_id.isalnum():
+        raise SnapshotCorrupt(f"not a snapshot id: {snapshot_id!r}")
+    return snapshot_id
+
+
+def changed_during_capture(got: str, sha: str) -> SnapshotFailed:
+    """Content read that does not hash to its listing: never stored, the capture retried."""
+    return SnapshotFailed(
+        f"content read does not match its listing ({got} != {sha}): the file changed during"
+        " the capture"
+    )
+
 
 class FsBlobStore:
     """Blobs and manifests under ``root`` (``<state dir>/snapshots`` by default)."""
@@ -74,9 +113,7 @@ class FsBlobStore:
             (root / sub).mkdir(parents=True, exist_ok=True)
 
     def _blob(self, sha: str) -> Path:
-        if len(sha) != 64 or any(c not in "0123456789abcdef" for c in sha):
-            raise SnapshotCorrupt(f"not a SHA-256: {sha!r}")
-        return self.root / "blobs" / sha[:2] / sha
+        return self.root / "blobs" / sha[:2] / check_sha(sha)
 
     def _tmp(self) -> Path:
         return self.root / "tmp" / f"{os.getpid()}-{os.urandom(8).hex()}"
@@ -90,6 +127,9 @@ class FsBlobStore:
         except FileNotFoundError:
             return False
         return True
+
+    def touch_all(self, shas: Iterable[str]) -> set[str]:
+        return {sha for sha in shas if self.touch(sha)}
 
     def put_stream(self, sha: str, pieces: Iterable[bytes]) -> int:
         """Written to a temporary file, hashed as it goes, renamed into place only when
@@ -106,10 +146,7 @@ class FsBlobStore:
                 f.flush()
                 os.fsync(f.fileno())
             if digest.hexdigest() != sha:
-                raise SnapshotFailed(
-                    f"content read does not match its listing ({digest.hexdigest()} != {sha}):"
-                    " the file changed during the capture"
-                )
+                raise changed_during_capture(digest.hexdigest(), sha)
             final = self._blob(sha)
             final.parent.mkdir(exist_ok=True)
             os.replace(tmp, final)
@@ -144,9 +181,7 @@ class FsBlobStore:
             self._blob(sha).unlink()
 
     def _manifest(self, snapshot_id: str) -> Path:
-        if not snapshot_id.isalnum():
-            raise SnapshotCorrupt(f"not a snapshot id: {snapshot_id!r}")
-        return self.root / "manifests" / f"{snapshot_id}.json"
+        return self.root / "manifests" / f"{check_snapshot_id(snapshot_id)}.json"
 
     def put_manifest(self, snapshot_id: str, manifest: dict[str, Any]) -> None:
         tmp = self._tmp()
@@ -171,7 +206,6 @@ class FsBlobStore:
             self._manifest(snapshot_id).unlink()
 
     def last_sweep(self) -> float:
-        """When the GC last swept this store (epoch seconds; 0 when never)."""
         try:
             return (self.root / "last-sweep").stat().st_mtime
         except FileNotFoundError:
@@ -194,6 +228,18 @@ class FsBlobStore:
 
 def default_store(state_dir: Path) -> FsBlobStore:
     return FsBlobStore(state_dir / "snapshots")
+
+
+def open_store(settings: Settings) -> BlobStore:
+    """The store the settings name (``SANDMAN_SNAPSHOT_STORE``): the state dir's filesystem
+    when empty, else the S3 bucket and prefix of ``s3://bucket/prefix``. The one place a
+    store is built, so the worker, the GC, the audit and the CLI always agree on it."""
+    target = parse_snapshot_store(settings.snapshot_store)
+    if target is None:
+        return default_store(settings.state_dir)
+    from broker.snapshots.s3store import S3BlobStore  # boto3 only where S3 is configured
+
+    return S3BlobStore.from_settings(settings, *target)
 
 
 def manifest_blobs(manifest: dict[str, Any]) -> set[str]:

@@ -2,6 +2,7 @@
 # Build (or reuse from cache) everything the local cluster needs.
 #   build.sh            # all: k8s etcd kwok crictl knp registry crane images
 #   build.sh k8s etcd   # only some parts
+#   build.sh versitygw  # the S3 server the tests run (not a cluster part: never in "all")
 # Binaries land in ${SANDMAN_CACHE_DIR:-~/.cache/sandman}/<component>-<version>/bin,
 # images in .../images/<name>-<hash>.tar. A part is rebuilt only when missing.
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
@@ -86,6 +87,11 @@ build_crane() {
     github.com/google/go-containerregistry/cmd/crane
 }
 
+build_versitygw() { # an S3-compatible server (posix backend) for the S3 snapshot store tests
+  go_part versitygw "$VERSITYGW_VERSION" "$VERSITYGW_BIN" versitygw \
+    "-s -w -X main.Version=$VERSITYGW_VERSION" versitygw github.com/versity/versitygw/cmd/versitygw
+}
+
 build_images() {
   "$REPO_ROOT/deploy/images/build.sh"
 }
@@ -100,7 +106,8 @@ for part in "${parts[@]}"; do
     knp) build_knp ;;
     registry) build_registry ;;
     crane) build_crane ;;
+    versitygw) build_versitygw ;;
     images) build_images ;;
-    *) die "unknown part $part (k8s|etcd|kwok|crictl|knp|registry|crane|images)" ;;
+    *) die "unknown part $part (k8s|etcd|kwok|crictl|knp|registry|crane|versitygw|images)" ;;
   esac
 done

@@ -13,6 +13,7 @@ CRICTL_VERSION="${SANDMAN_CRICTL_VERSION:-v1.37.0}"
 KNP_VERSION=v0.8.0   # sigs.k8s.io/kube-network-policies; pinned in gobuild/knp/go.mod
 REGISTRY_VERSION=v3.1.2  # CNCF distribution (the reference registry); gobuild/registry/go.mod
 CRANE_VERSION=v0.22.1    # go-containerregistry crane (pushes the image tarballs); gobuild/crane
+VERSITYGW_VERSION=v1.8.0 # S3 gateway the S3 snapshot store is tested against; gobuild/versitygw
 
 # ---- locations ----
 STATE="$STATE_ROOT/cluster"
@@ -23,6 +24,7 @@ CRICTL_BIN="$CACHE_DIR/crictl-$CRICTL_VERSION/bin"
 KNP_BIN="$CACHE_DIR/kube-network-policies-$KNP_VERSION/bin"
 REGISTRY_BIN="$CACHE_DIR/registry-$REGISTRY_VERSION/bin"
 CRANE_BIN="$CACHE_DIR/crane-$CRANE_VERSION/bin"
+VERSITYGW_BIN="$CACHE_DIR/versitygw-$VERSITYGW_VERSION/bin"
 IMAGES_CACHE="$CACHE_DIR/images"
 KUBECONFIG_PATH="$STATE/kubeconfig"
 

@@ -7,6 +7,7 @@ execd. Module-scoped: each test module gets its own workers and Redis database.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import subprocess
@@ -38,6 +39,16 @@ def local_images() -> None:
 def stack(
     database_url: str, redis_url: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Settings]:
+    with broker_stack(database_url, redis_url, tmp_path_factory) as settings:
+        yield settings
+
+
+@contextlib.contextmanager
+def broker_stack(
+    database_url: str, redis_url: str, tmp_path_factory: pytest.TempPathFactory, **extra: str
+) -> Iterator[Settings]:
+    """Settings and a real worker serving every queue; ``extra`` settings (by field name)
+    reach both the returned settings and the worker's environment."""
     url = redis_url.rsplit("/", 1)[0] + "/11"
     redis.Redis.from_url(url).flushdb()
     state = tmp_path_factory.mktemp("broker-state")
@@ -50,6 +61,7 @@ def stack(
         create_rate=100.0,
         create_burst=100,
         gc_interval_s=3600.0,
+        **extra,  # type: ignore[arg-type]
     )
     env = dict(os.environ)
     env.update(
@@ -64,6 +76,7 @@ def stack(
                 "create_rate",
                 "create_burst",
                 "gc_interval_s",
+                *extra,
             )
         }
     )
@@ -82,11 +95,13 @@ def stack(
         if proc.poll() is not None or time.monotonic() > deadline:
             pytest.fail("celery worker did not start:\n" + log_path.read_text()[-3000:])
         time.sleep(0.1)
-    yield settings
-    proc.terminate()
     try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-    kill_all(marked_processes(state))  # nothing should be left; whatever is, dies here
+        yield settings
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        kill_all(marked_processes(state))  # nothing should be left; whatever is, dies here

@@ -1,4 +1,5 @@
-"""Snapshots and fork on the local backend, both transports, against the real stack.
+"""Snapshots and fork on the local backend, both transports and both blob stores (the
+state dir's filesystem and a real S3 server: conftest.py), against the real stack.
 
 A SWE-style sandbox (the SWE image's git repository at /repo as the workdir, so the
 default roots are that repository) is changed in every way a snapshot must carry: new
@@ -17,6 +18,7 @@ import pytest
 
 from broker.errors import SandmanError
 from broker.ledger import store
+from broker.settings import Settings
 from tests.integration.client.test_transports import Handle, Trainer
 from tests.support.images import SWE_IMAGE
 
@@ -65,10 +67,10 @@ def _check_carried(sb: Handle, victim: str) -> None:
 
 
 def test_fork_carries_every_change_and_forks_are_independent(
-    make_trainer: Callable[..., Trainer], sessions: Any
+    make_trainer: Callable[..., Trainer], sessions: Any, stack: Settings
 ) -> None:
     trainer = make_trainer(owner="fork")
-    job = _job(sessions, f"fork-{trainer.flavour}")
+    job = _job(sessions, f"fork-{trainer.flavour}-{stack.installation_id}")  # one per store
     sb = trainer.open(image=SWE_IMAGE, job=job, workdir="/repo", timeout=120)
     forks: list[Any] = []
     try:

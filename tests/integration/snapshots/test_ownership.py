@@ -1,8 +1,9 @@
 """Snapshots are owned like pods: verified restores, quotas, expiry, dedup, the audit.
 
-Real stack (PostgreSQL, Redis, a Celery worker, execd in bubblewrap); the blob store is
-the worker's, in the stack's state dir, which the test reads and, to corrupt a blob,
-writes behind the broker's back.
+Real stack (PostgreSQL, Redis, a Celery worker, execd in bubblewrap), once per blob store
+(the state dir's filesystem, then a real S3 server: see conftest.py); the test opens the
+worker's store with the same factory, reads it and, to corrupt a blob, writes behind the
+broker's back.
 """
 
 from __future__ import annotations
@@ -33,28 +34,33 @@ from broker.ledger.models import Sandbox, Snapshot, utcnow
 from broker.ledger.states import State
 from broker.settings import Settings
 from broker.snapshots.collect import audit, collect
-from broker.snapshots.store import FsBlobStore, default_store
+from broker.snapshots.store import BlobStore, open_store
 from tests.integration.client.test_transports import Handle, Trainer
+from tests.support.blobstores import overwrite_blob
 from tests.support.images import TASK_IMAGE
 from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.integration
 
 
-def _job(sessions: Any, name: str, **config: Any) -> str:
+def _job(sessions: Any, stack: Settings, name: str, **config: Any) -> str:
+    """A job of this stack alone: the fs and the S3 stacks share one database."""
+    name = f"{name}-{stack.installation_id}"
     with sessions.begin() as session:
         store.ensure_job(session, name, **config)
     return name
 
 
-def _blobs(stack: Settings) -> FsBlobStore:
-    return default_store(stack.state_dir)
+def _blobs(stack: Settings) -> BlobStore:
+    return open_store(stack)
 
 
 @pytest.fixture
 def cli_env(stack: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
     """``sandman`` commands in this process see the test stack's ledger and store."""
-    for name in ("database_url", "state_dir", "installation_id", "secret_key"):
+    names = ("database_url", "state_dir", "installation_id", "secret_key", "snapshot_store")
+    names += tuple(f"snapshot_s3_{n}" for n in ("endpoint", "region", "access_key", "secret_key"))
+    for name in names:
         monkeypatch.setenv(f"SANDMAN_{name.upper()}", str(getattr(stack, name)))
 
 
@@ -71,7 +77,7 @@ def test_a_corrupted_blob_fails_the_restore_and_releases_its_sandbox(
     make_trainer: Callable[..., Trainer], sessions: Any, stack: Settings
 ) -> None:
     trainer = make_trainer(owner="corrupt")
-    job = _job(sessions, f"corrupt-{trainer.flavour}")
+    job = _job(sessions, stack, f"corrupt-{trainer.flavour}")
     content = b"the only copy of this content: %s\n" % job.encode()
     sb = trainer.open(image=TASK_IMAGE, job=job, timeout=60)
     try:
@@ -80,18 +86,18 @@ def test_a_corrupted_blob_fails_the_restore_and_releases_its_sandbox(
     finally:
         sb.release()
     wait_until(lambda: not _live_sandboxes(sessions, job), 120, what="source released")
-    blob = _blobs(stack)._blob(hashlib.sha256(content).hexdigest())
-    blob.write_bytes(b"X" + content[1:])  # same size, other bytes
+    sha = hashlib.sha256(content).hexdigest()
+    overwrite_blob(_blobs(stack), sha, b"X" + content[1:])  # same size, other bytes
     with pytest.raises(SnapshotCorrupt, match="blob_mismatch"):
         trainer.client.resume(snap.id)
     wait_until(lambda: not _live_sandboxes(sessions, job), 120, what="the failed restore released")
 
 
 def test_quota_refuses_before_anything_is_written(
-    make_trainer: Callable[..., Trainer], sessions: Any
+    make_trainer: Callable[..., Trainer], sessions: Any, stack: Settings
 ) -> None:
     trainer = make_trainer(owner="quota")
-    job = _job(sessions, f"snap-quota-{trainer.flavour}", snapshot_bytes=100)
+    job = _job(sessions, stack, f"snap-quota-{trainer.flavour}", snapshot_bytes=100)
     sb = trainer.open(image=TASK_IMAGE, job=job, timeout=60)
     try:
         sb.write_file("/workspace/small", b"x" * 60)
@@ -110,7 +116,7 @@ def test_identical_files_are_stored_once_and_expired_snapshots_are_collected(
     make_trainer: Callable[..., Trainer], sessions: Any, stack: Settings
 ) -> None:
     trainer = make_trainer(owner="expiry")
-    job = _job(sessions, f"snap-expiry-{trainer.flavour}")
+    job = _job(sessions, stack, f"snap-expiry-{trainer.flavour}")
     content = b"stored once: %s\n" % job.encode()
     sha = hashlib.sha256(content).hexdigest()
     sb = trainer.open(image=TASK_IMAGE, job=job, timeout=60)
@@ -147,7 +153,7 @@ def test_snapshot_cli_lists_and_removes(
     make_trainer: Callable[..., Trainer], sessions: Any, stack: Settings, cli_env: None
 ) -> None:
     trainer = make_trainer(owner="cli")
-    job = f"snap-cli-{trainer.flavour}"
+    job = f"snap-cli-{trainer.flavour}-{stack.installation_id}"
     made = CliRunner().invoke(main, ["job", "create", job, "--snapshot-bytes", "1000"])
     assert made.exit_code == 0, made.output
     sb = trainer.open(image=TASK_IMAGE, job=job, timeout=60)
@@ -176,7 +182,7 @@ def test_a_tenant_snapshot_quota_spans_its_jobs_and_changes_at_run_time(
     made = CliRunner().invoke(main, ["tenant", "create", tenant, "--snapshot-bytes", "100"])
     assert made.exit_code == 0, made.output
     assert json.loads(made.output)["snapshot_bytes"] == 100
-    jobs = [_job(sessions, f"{tenant}-{i}") for i in range(2)]
+    jobs = [_job(sessions, stack, f"{tenant}-{i}") for i in range(2)]
     for job in jobs:
         quotas.assign_job(sessions, job, tenant, actor="admin:test")
     first_sb = trainer.open(image=TASK_IMAGE, job=jobs[0], timeout=60)
@@ -213,10 +219,10 @@ def test_a_tenant_snapshot_quota_spans_its_jobs_and_changes_at_run_time(
 
 
 def test_another_trainers_sandbox_is_refused_and_left_alone(
-    make_trainer: Callable[..., Trainer], sessions: Any
+    make_trainer: Callable[..., Trainer], sessions: Any, stack: Settings
 ) -> None:
     owner, stranger = make_trainer(owner="owner-a"), make_trainer(owner="stranger-b")
-    job = _job(sessions, f"snap-foreign-{owner.flavour}")
+    job = _job(sessions, stack, f"snap-foreign-{owner.flavour}")
     sb = owner.open(image=TASK_IMAGE, job=job, timeout=60)
     try:
         sb.write_file("/workspace/mine", b"kept")

@@ -25,6 +25,10 @@ from broker.local.stack import REPO_ROOT, child_env, worker_argv
 from broker.settings import Settings
 from tests.support.wait import wait_until
 
+SNAPSHOT_STORE_FIELDS = tuple(
+    f"snapshot_{n}" for n in ("store", "s3_endpoint", "s3_region", "s3_access_key", "s3_secret_key")
+)
+
 
 @dataclass
 class OwnBroker:
@@ -37,6 +41,9 @@ class OwnBroker:
         env = child_env(self.settings, self.database_url, self.redis_url)
         for name in ("secret_key", "installation_id", "readiness_budget_s"):
             env[f"SANDMAN_{name.upper()}"] = str(getattr(self.settings, name))
+        if self.settings.snapshot_store:  # an S3 snapshot store (tests/support/blobstores.py)
+            for name in SNAPSHOT_STORE_FIELDS:
+                env[f"SANDMAN_{name.upper()}"] = str(getattr(self.settings, name))
         return env
 
     def log(self, name: str) -> Path:

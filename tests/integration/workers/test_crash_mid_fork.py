@@ -7,7 +7,8 @@ Two windows, each hit every time by a failpoint (``os._exit``, like a SIGKILL th
   written. The trainer's waits time out and it releases both forks (all settled: each is
   a typed error); the snapshot itself stays ready and keeps its blobs.
 Afterwards the kernel shows no sandbox of this state dir, the ledger none live, and the
-audit no blob without a row.
+audit no blob without a row. The first window runs on both blob stores (S3: a real server,
+tests/support/s3server.py): its blobs are objects the GC must find and delete.
 """
 
 from __future__ import annotations
@@ -29,17 +30,32 @@ from broker.names import Queue
 from broker.ownership.audit import run_audit
 from broker.ownership.gc import run_gc
 from broker.ownership.provider import Provider
-from broker.snapshots.store import default_store
+from broker.snapshots.store import open_store
 from tests.integration.workers.conftest import OwnBroker
 from tests.integration.workers.test_crash_mid_create import _running_sandboxes
+from tests.support.blobstores import BUCKET
 from tests.support.images import TASK_IMAGE
+from tests.support.s3server import S3Server
 from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.integration
 
 
-@pytest.mark.parametrize("point", ["snapshot-after-blobs", "restore-after-prepare"])
-def test_a_worker_killed_mid_fork_leaves_nothing_unowned(own_broker: OwnBroker, point: str) -> None:
+@pytest.mark.parametrize(
+    ("point", "store_kind"),
+    [
+        ("snapshot-after-blobs", "fs"),
+        ("restore-after-prepare", "fs"),
+        ("snapshot-after-blobs", "s3"),  # the orphaned blobs are S3 objects the GC deletes
+    ],
+)
+def test_a_worker_killed_mid_fork_leaves_nothing_unowned(
+    own_broker: OwnBroker, point: str, store_kind: str, request: pytest.FixtureRequest
+) -> None:
+    if store_kind == "s3":
+        server: S3Server = request.getfixturevalue("s3_server")
+        url = f"s3://{server.bucket(BUCKET)}/crash-{own_broker.settings.installation_id}"
+        own_broker.settings = dataclasses.replace(own_broker.settings, **server.fields(url))
     job = own_broker.job("forked")
     own_broker.start_worker("releaser", f"{Queue.RELEASE},{Queue.POOL}")
     doomed = own_broker.start_worker(
@@ -82,7 +98,7 @@ def test_a_worker_killed_mid_fork_leaves_nothing_unowned(own_broker: OwnBroker, 
         assert report.errors == []
         with sessions() as session:
             states = list(session.scalars(select(Snapshot.state).where(Snapshot.job == job)))
-        store = default_store(state_dir)
+        store = open_store(settings)
         if point == "snapshot-after-blobs":
             assert states == ["deleted"]  # the dead capture's row, collected
             assert not store.has(sha)  # and its blob
