@@ -37,6 +37,12 @@ def acquire(message: dict[str, Any]) -> dict[str, Any]:
     return broker().acquire_and_deliver(message)
 
 
+@app.task(name=Task.ACQUIRE_NEXT, acks_late=True, reject_on_worker_lost=True)
+def acquire_next(job_hint: str = "") -> dict[str, Any]:
+    """One acquire is pending: the fair queue picks which (``job_hint`` is for logs)."""
+    return broker().acquire_next()
+
+
 @app.task(name=Task.SNAPSHOT, acks_late=True, reject_on_worker_lost=True)
 def snapshot(message: dict[str, Any]) -> dict[str, Any]:
     return snapshot_and_deliver(broker(), message)
@@ -74,7 +80,11 @@ def pool_refill(sandbox_id: str) -> str:
 @app.task(name=Task.POOL_UPKEEP, acks_late=True)
 def pool_upkeep() -> dict[str, Any]:
     service = broker()
-    return {"pools": service.pools.upkeep_all(), "prepull": service.prepull.reconcile()}
+    return {
+        "fair_jobs": service.sync_fair(),
+        "pools": service.pools.upkeep_all(),
+        "prepull": service.prepull.reconcile(),
+    }
 
 
 @app.task(name=Task.GC, acks_late=True)
@@ -84,5 +94,6 @@ def gc() -> dict[str, object]:
 
 @worker_ready.connect
 def _build_services_early(**_: Any) -> None:
-    """Build engine, Redis pool and backend before the first task, not during it."""
-    broker()
+    """Build engine, Redis pool and backend before the first task, not during it, and
+    give the fair scheduler today's weights."""
+    broker().sync_fair()

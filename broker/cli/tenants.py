@@ -1,4 +1,4 @@
-"""``sandman tenant create|set|ls``: teams, their quotas, and which jobs they own.
+"""``sandman tenant create|set|ls``: teams, their quotas and weights, and their jobs.
 
 Every change goes through ``broker.acquire.quotas`` (validated, audited as an ``admin``
 event with the actor ``cli:<user>``) and applies to the next acquire.
@@ -30,17 +30,39 @@ def actor() -> str:
     return f"cli:{getpass.getuser()}"
 
 
-def _run(ctx: click.Context, work: Callable[[Any], Any]) -> Any:
-    """``work(sessions)`` on a one-shot root; typed refusals become a usage error."""
+def _run(ctx: click.Context, work: Callable[[Any], Any], sync: bool = False) -> Any:
+    """``work(sessions)`` on a one-shot root; typed refusals become a usage error;
+    ``sync``: a change the fair scheduler must hear of."""
     from broker.errors import SandmanError
 
     root = tool_root(settings_of(ctx), actor=actor())
     try:
-        return work(root.sessions)
+        done = work(root.sessions)
+        if sync:
+            sync_weights(root)
+        return done
     except SandmanError as exc:
         raise click.ClickException(str(exc)) from exc
     finally:
         root.dispose()
+
+
+def sync_weights(root: Any) -> None:
+    """Tell the fair scheduler at once (without Redis, the next pool upkeep does)."""
+    from broker.acquire import weights
+
+    redis = root.redis()
+    if redis is not None:
+        weights.sync(root.sessions, redis)
+
+
+def _weight(text: str | None) -> dict[str, float]:
+    if text is None:
+        return {}
+    try:
+        return {"weight": float(text)}
+    except ValueError as exc:
+        raise click.BadParameter(f"{text!r} is not a number") from exc
 
 
 def _given(max_live: str | None, creates_per_minute: str | None) -> dict[str, int | None]:
@@ -58,6 +80,12 @@ def register(group: click.Group) -> None:
         click.option(
             "--creates-per-minute", default=None, metavar="N|none", help="Intents per minute."
         ),
+        click.option(
+            "--weight",
+            default=None,
+            metavar="W",
+            help="Share of the create rate against other tenants (default 1).",
+        ),
     ]
 
     def with_quotas(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -70,13 +98,17 @@ def register(group: click.Group) -> None:
     @with_quotas
     @click.pass_context
     def create(
-        ctx: click.Context, name: str, max_live: str | None, creates_per_minute: str | None
+        ctx: click.Context,
+        name: str,
+        max_live: str | None,
+        creates_per_minute: str | None,
+        weight: str | None,
     ) -> None:
-        """Create tenant NAME (a quota not given: no limit)."""
+        """Create tenant NAME (a quota not given: no limit; weight: 1)."""
         from broker.acquire import quotas
 
-        quotas_given = _given(max_live, creates_per_minute)
-        view = _run(ctx, lambda s: quotas.create(s, name, quotas_given, actor=actor()))
+        given = {**_given(max_live, creates_per_minute), **_weight(weight)}
+        view = _run(ctx, lambda s: quotas.create(s, name, given, actor=actor()), sync=True)
         click.echo(json.dumps(view.to_dict()))
 
     @tenant.command("set")
@@ -84,13 +116,17 @@ def register(group: click.Group) -> None:
     @with_quotas
     @click.pass_context
     def set_(
-        ctx: click.Context, name: str, max_live: str | None, creates_per_minute: str | None
+        ctx: click.Context,
+        name: str,
+        max_live: str | None,
+        creates_per_minute: str | None,
+        weight: str | None,
     ) -> None:
-        """Change the given quotas of tenant NAME ('none': no limit); audited."""
+        """Change the given quotas ('none': no limit) or weight of tenant NAME; audited."""
         from broker.acquire import quotas
 
-        quotas_given = _given(max_live, creates_per_minute)
-        view = _run(ctx, lambda s: quotas.update(s, name, quotas_given, actor=actor()))
+        given = {**_given(max_live, creates_per_minute), **_weight(weight)}
+        view = _run(ctx, lambda s: quotas.update(s, name, given, actor=actor()), sync=True)
         click.echo(json.dumps(view.to_dict()))
 
     @tenant.command("ls")
@@ -105,13 +141,13 @@ def register(group: click.Group) -> None:
             for view in views:
                 click.echo(json.dumps(view.to_dict()))
             return
-        click.echo(f"{'tenant':24} {'live':>11} {'creates/min':>13}  jobs")
+        click.echo(f"{'tenant':24} {'weight':>7} {'live':>11} {'creates/min':>13}  jobs")
 
         def used(n: int, limit: int | None) -> str:
             return f"{n}/{'-' if limit is None else limit}"
 
         for v in views:
             click.echo(
-                f"{v.name:24} {used(v.live, v.max_live):>11} "
+                f"{v.name:24} {v.weight:>7g} {used(v.live, v.max_live):>11} "
                 f"{used(v.creates_last_minute, v.creates_per_minute):>13}  {', '.join(v.jobs)}"
             )

@@ -7,6 +7,7 @@ execd. Module-scoped: each test module gets its own workers and Redis database.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import subprocess
@@ -25,6 +26,19 @@ from tests.support.images import ensure_local_images
 
 REPO = Path(__file__).resolve().parents[2]
 ALL_QUEUES = f"{Queue.ACQUIRE},{Queue.RELEASE},{Queue.POOL}"  # one worker serves them all
+
+
+@contextlib.contextmanager
+def flushed_db(redis_url: str, db: int) -> Iterator[str]:
+    """The URL of Redis database ``db``, empty before and after the caller's use."""
+    url = redis_url.rsplit("/", 1)[0] + f"/{db}"
+    client = redis.Redis.from_url(url)
+    client.flushdb()
+    try:
+        yield url
+    finally:
+        client.flushdb()
+        client.close()
 
 
 @pytest.fixture(scope="session", autouse=True)
