@@ -141,13 +141,14 @@ def register(group: click.Group) -> None:
             for view in views:
                 click.echo(json.dumps(view.to_dict()))
             return
-        click.echo(f"{'tenant':24} {'weight':>7} {'live':>11} {'creates/min':>13}  jobs")
+        click.echo(f"{'tenant':24} {'live':>11} {'creates/min':>13} {'weight':>7}  jobs")
 
         def used(n: int, limit: int | None) -> str:
             return f"{n}/{'-' if limit is None else limit}"
 
         for v in views:
             click.echo(
-                f"{v.name:24} {v.weight:>7g} {used(v.live, v.max_live):>11} "
-                f"{used(v.creates_last_minute, v.creates_per_minute):>13}  {', '.join(v.jobs)}"
+                f"{v.name:24} {used(v.live, v.max_live):>11} "
+                f"{used(v.creates_last_minute, v.creates_per_minute):>13} {v.weight:>7g}  "
+                f"{', '.join(v.jobs)}"
             )

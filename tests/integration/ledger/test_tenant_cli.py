@@ -51,6 +51,25 @@ def test_tenant_commands_change_audit_and_list(
     code, out = _cli("tenant", "ls")
     assert code == 0 and any(line.split()[:2] == [name, "0/-"] for line in out.splitlines()), out
 
+    # fair-share weights: the tenant's and the job's, validated and audited
+    code, out = _cli("tenant", "set", name, "--weight", "3")
+    assert code == 0 and json.loads(out)["weight"] == 3.0, out
+    code, out = _cli("job", "create", job, "--weight", "2.5")
+    assert code == 0 and json.loads(out.splitlines()[-1])["weight"] == 2.5, out
+    for bad in (("tenant", "set", name, "--weight", "0"), ("job", "create", job, "--weight", "-1")):
+        assert _cli(*bad)[0] != 0, bad
+    with sessions() as session:
+        weights = [
+            (e.action, e.detail["before"].get("weight"), e.detail["after"].get("weight"))
+            for e in session.scalars(
+                select(Event)
+                .where(Event.kind == "admin", Event.action.in_(["tenant-set", "job-weight"]))
+                .where((Event.detail["tenant"].as_string() == name) | (Event.job == job))
+                .order_by(Event.id)
+            )
+        ]
+    assert weights[-2:] == [("tenant-set", 1.0, 3.0), ("job-weight", 1.0, 2.5)]
+
     code, out = _cli("job", "create", job, "--tenant", "none")
     assert code == 0, out
     with sessions() as session:
@@ -69,5 +88,6 @@ def test_tenant_commands_change_audit_and_list(
         ("tenant-create", who, None),
         ("tenant-set", who, None),
         ("job-tenant", who, job),
+        ("tenant-set", who, None),  # the weight
         ("job-tenant", who, job),
     ]
