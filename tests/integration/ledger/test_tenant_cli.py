@@ -14,6 +14,7 @@ from sqlalchemy import select
 
 from broker.cli.main import main
 from broker.ledger.models import Event, Job
+from tests.support.audit import weight_changes
 
 pytestmark = pytest.mark.integration
 
@@ -58,17 +59,10 @@ def test_tenant_commands_change_audit_and_list(
     assert code == 0 and json.loads(out.splitlines()[-1])["weight"] == 2.5, out
     for bad in (("tenant", "set", name, "--weight", "0"), ("job", "create", job, "--weight", "-1")):
         assert _cli(*bad)[0] != 0, bad
-    with sessions() as session:
-        weights = [
-            (e.action, e.detail["before"].get("weight"), e.detail["after"].get("weight"))
-            for e in session.scalars(
-                select(Event)
-                .where(Event.kind == "admin", Event.action.in_(["tenant-set", "job-weight"]))
-                .where((Event.detail["tenant"].as_string() == name) | (Event.job == job))
-                .order_by(Event.id)
-            )
-        ]
-    assert weights[-2:] == [("tenant-set", 1.0, 3.0), ("job-weight", 1.0, 2.5)]
+    assert weight_changes(sessions, name, job) == [
+        ("tenant-set", 1.0, 3.0),
+        ("job-weight", 1.0, 2.5),
+    ]
 
     code, out = _cli("job", "create", job, "--tenant", "none")
     assert code == 0, out
