@@ -19,8 +19,9 @@ bubblewrap sandboxes, paced at ``--rate`` creates/s):
    both are backlogged, against the 25% / 75% target; the rest is cancelled.
 
 Prints B's acquire latency (client-measured, queue-inclusive) p50/p90/p99 alone and with
-A bursting, their ratio, A's creates during phase 2, and the weighted shares; saves
-bench/out/fairness.json. A benchmark, not a test: nothing here asserts.
+A bursting, their ratio, where B's time went (ledger: fair queue and gate, pacer, create),
+A's creates during phase 2, and the weighted shares; saves bench/out/fairness.json.
+A benchmark, not a test: nothing here asserts.
 """
 
 from __future__ import annotations
@@ -85,7 +86,9 @@ def main() -> int:
     try:
         client.open(job=b, timeout=600, **SHAPE).release()  # warm-up: image unpacked, etc.
         print(f"phase 1: B alone, 1 ask/s for {args.alone_seconds} s", flush=True)
+        t_alone = time.time()
         alone = steady(client, b, args.alone_seconds)
+        t_burst = time.time()
         print(f"phase 2: A enqueues {args.burst_size}, B asks 1/s for {args.b_seconds} s")
         burst = core.group_requests(args.burst_size, client.owner, job=a, timeout=3600, **SHAPE)
         t0 = time.perf_counter()
@@ -94,6 +97,8 @@ def main() -> int:
         a_before = creates_of(sessions, a)
         contended = steady(client, b, args.b_seconds)
         a_during = creates_of(sessions, a) - a_before
+        parts_alone = breakdown(sessions, b, t_alone, t_burst)
+        parts_burst = breakdown(sessions, b, t_burst, time.time())
         cancel(client, burst)
         wait_drained(client)
         print(f"phase 3: weights 1 and 3, {args.weighted} acquires each")
@@ -118,6 +123,8 @@ def main() -> int:
             b_creates_during=len(contended),
             weighted={"count": len(order), "share_w1": share_c, "share_w3": share_d},
             weighted_worst_prefix_error=prefix_err,
+            b_parts_alone=parts_alone,
+            b_parts_with_a_burst=parts_burst,
         )
         print()
         for name, series in (("B alone", alone), ("B, A bursting", contended)):
@@ -125,6 +132,13 @@ def main() -> int:
             print(
                 f"{name:16} acquire p50 {s['p50']:.3f}s  p90 {s['p90']:.3f}s  "
                 f"p99 {s['p99']:.3f}s  (n={s['n']})"
+            )
+        for name, parts in (("B alone", parts_alone), ("B, A bursting", parts_burst)):
+            print(
+                f"{name:16} "
+                + "  ".join(
+                    f"{k} p50 {v['p50']:.3f}s p99 {v['p99']:.3f}s" for k, v in parts.items()
+                )
             )
         ratios = f"p50 {doc['p50_ratio']:.2f}x  p99 {doc['p99_ratio']:.2f}x"
         print(f"ratio (A bursting / alone): {ratios}")
@@ -166,6 +180,30 @@ def steady(client: Any, job: str, seconds: int) -> list[float]:
     for thread in threads:
         thread.join(timeout=900)
     return out
+
+
+def breakdown(sessions: Any, job: str, since: float, until: float) -> dict[str, Any]:
+    """Where B's acquires spent their time, from the ledger: enqueue -> admitted (the fair
+    queue and the gate), admitted -> creating (the pacer's token), creating -> ready."""
+    import datetime as dt
+
+    from sqlalchemy import select
+
+    from broker.ledger.models import Sandbox
+
+    lo, hi = (dt.datetime.fromtimestamp(t, dt.UTC) for t in (since, until))
+    with sessions() as session:
+        rows = session.execute(
+            select(Sandbox.enqueued_at, Sandbox.requested_at, Sandbox.creating_at, Sandbox.ready_at)
+            .where(Sandbox.job == job, Sandbox.enqueued_at >= lo, Sandbox.enqueued_at < hi)
+            .where(Sandbox.ready_at.is_not(None))
+        ).all()
+    parts = {
+        "queue": [(r.requested_at - r.enqueued_at).total_seconds() for r in rows],
+        "pacer": [(r.creating_at - r.requested_at).total_seconds() for r in rows],
+        "create": [(r.ready_at - r.creating_at).total_seconds() for r in rows],
+    }
+    return {name: summary(values) for name, values in parts.items()}
 
 
 def creates_of(sessions: Any, job: str) -> int:

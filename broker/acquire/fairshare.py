@@ -27,8 +27,9 @@ a weight changed at run time applies from each flow's next turn (no queued tag t
 **Pacing.** Fair order only matters if the pacer's tokens follow it. A popped request
 competes for its create slot and token (``broker.pacing``) with the others popped before
 it, so at most ``gate`` popped requests may be waiting for a token at once (the gate, a
-sorted set with leases); a worker leaves the gate as soon as it holds its token, or while
-its job waits at its live cap. A job whose own create bucket (``Job.create_rate``) would
+sorted set with leases); a worker leaves the gate as soon as its token's start is
+reserved (at most the pacer's 0.25 s horizon ahead), or while its job waits at its live
+cap. A job whose own create bucket (``Job.create_rate``) would
 make it wait past the pacer's horizon is skipped, so a throttled job never holds the gate.
 
 **Crash safety.** A popped request stays in a processing set with a lease (Redis time),
@@ -329,7 +330,7 @@ class FairQueue:
         return Pop("ok", rid, json.loads(body), 0.0, int(swept))
 
     def ungate(self, request_id: str) -> None:
-        """The request holds its token (or waits at its job's cap): let the next one pop."""
+        """The request's token is reserved (or it waits at its job's cap): next one, pop."""
         self.redis.zrem(GATE, request_id)
 
     def done(self, request_id: str) -> None:

@@ -204,7 +204,7 @@ class Broker:
     ) -> dict[str, Any]:
         """The broker-side door: parse the queue message once, acquire, and push the
         outcome (lease or typed error) to the trainer's mailbox. ``ungate`` is called once
-        the create holds its pacer token (or waits at its job's cap)."""
+        the create's pacer token is reserved (or while it waits at its job's cap)."""
         rid = str(message.get("request_id")) if isinstance(message, Mapping) else "None"
         lease: Lease | None = None
         try:
@@ -283,13 +283,11 @@ class Broker:
     ) -> Lease:
         """The provider's create inside a pacer slot; an intent never sent to the backend
         (paced out) is closed here, one that was is settled by the provider. ``paced``
-        is told when the slot and token are held."""
+        is told when the slot is held and the token's start reserved."""
         submitted = False
         try:
-            with self.pacer.create_slot(limits, deadline=deadline):
+            with self.pacer.create_slot(limits, deadline=deadline, on_reserved=paced):
                 submitted = True
-                if paced is not None:
-                    paced()
                 return self.provider.create(
                     sandbox_id, token, give_up=give_up, workdir=workdir, env=env
                 )

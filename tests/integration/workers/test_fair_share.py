@@ -4,7 +4,7 @@ rate, and every claim is checked by the ORDER of the creates in the ledger
 (``creating_at``: when each create got its pacer token), never by wall-clock bounds.
 
 The gate is 1 here (``SANDMAN_FAIR_GATE``): a request is popped only once the one before
-it holds its token, so the ledger's create order is the scheduler's order exactly.
+it has its token's start reserved, so the ledger's create order is the scheduler's order.
 """
 
 from __future__ import annotations
