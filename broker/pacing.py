@@ -229,13 +229,17 @@ class Pacer:
         on_reserved: Callable[[], None] | None = None,
     ) -> Iterator[None]:
         """Hold a concurrency slot, then a token: the create runs inside the block.
-        ``on_reserved``: called once the token's start is reserved (see ``take``).
+        ``on_reserved``: called once the token's start is reserved (see ``take``), or
+        as soon as the caller must wait for a slot (a capped job must not hold back others).
 
         Slot first, token second: a token taken while still waiting for a slot would let
         creates bunch up behind the semaphore and leave together as a burst.
         """
         member = uuid.uuid4().hex
         while not self.try_slot(limits, member):
+            if on_reserved is not None:  # waiting for a slot: let the next caller go first
+                on_reserved()
+                on_reserved = None
             if self.clock.monotonic() >= deadline:
                 raise AcquireTimeout("concurrent-create cap: no slot before the deadline")
             self.clock.sleep(0.02 + random.random() * 0.03)

@@ -65,6 +65,8 @@ TAGS = f"{P}:tag"  # virtual times and tags
 PROC = f"{P}:proc"  # popped request id -> lease expiry (Redis time)
 HELD = f"{P}:held"  # popped request id -> "<priority><job>", to re-queue it
 GATE = f"{P}:gate"  # popped, not yet holding a pacer token -> lease expiry
+WAKE = f"{P}:wake"  # one entry per place freed in the gate: a gated worker BLPOPs it
+WAKE_MAX = 16
 SERVED = f"{P}:served"  # job -> requests served (counter)
 LOG = f"{P}:log"  # the last LOG_MAX jobs served, newest first
 STATS = f"{P}:stats"
@@ -287,10 +289,15 @@ class Pop:
 
 
 def default_gate(create_rate: float) -> int:
-    """Popped requests that may wait for a token at once: what the pacer grants within
-    its reservation horizon, plus one, so a create slot is never idle for want of a pop,
-    and few enough that a newcomer's request is at most that many tokens behind."""
-    return max(2, math.ceil(create_rate * RESERVE_HORIZON_S) + 1)
+    """Popped requests that may wait for their token's reservation at once.
+
+    One, up to 25 creates/s: pops then reserve tokens strictly in the scheduler's order
+    (with more, the waiters race for the next start and a newcomer can lose that race
+    several times running). One is enough to keep the bucket busy: a request leaves the
+    gate when its start is reserved, up to the pacer's 0.25 s horizon ahead, so the next
+    pop and its admission overlap the wait. Above 25/s (an interval under 40 ms, close to
+    one admission on a busy host) one more per 25/s, so the gate never caps the rate."""
+    return max(1, math.ceil(create_rate / 25))
 
 
 class FairQueue:
@@ -331,18 +338,33 @@ class FairQueue:
 
     def ungate(self, request_id: str) -> None:
         """The request's token is reserved (or it waits at its job's cap): next one, pop."""
-        self.redis.zrem(GATE, request_id)
+        pipe = self.redis.pipeline(transaction=True)
+        self._leave_gate(pipe, request_id)
+        pipe.execute()
+
+    def wait_gate(self, timeout_s: float) -> None:
+        """Block until a place in the gate frees (or ``timeout_s``: a place can also free
+        by a lease running out, which wakes nobody)."""
+        self.redis.blpop([WAKE], timeout=timeout_s)
 
     def done(self, request_id: str) -> None:
         """The outcome was delivered: forget the request."""
         pipe = self.redis.pipeline(transaction=True)
         pipe.zrem(PROC, request_id)
-        pipe.zrem(GATE, request_id)
+        self._leave_gate(pipe, request_id)
         pipe.hdel(HELD, request_id)
         pipe.hdel(fairq.BODIES, request_id)
         pipe.execute()
         with self._lock:
             self._held.discard(request_id)
+
+    @staticmethod
+    def _leave_gate(pipe: Any, request_id: str) -> None:
+        """Leave the gate and wake one gated worker (a few spare wakes are harmless: the
+        woken worker pops, finds the gate full, and waits again)."""
+        pipe.zrem(GATE, request_id)
+        pipe.lpush(WAKE, "1")
+        pipe.ltrim(WAKE, 0, WAKE_MAX - 1)
 
     def renew_held(self) -> int:
         """Move the lease of every request this process serves on; returns how many."""

@@ -62,7 +62,8 @@ from broker.wire.types import Lease
 log = logging.getLogger(__name__)
 
 CAP_POLL_S = 0.1  # how often a queued acquire re-asks for room under its job's live cap
-GATED_POLL_S = 0.05  # how often a pending message asks the fair queue again when gated
+GATE_WAIT_S = 0.25  # longest wait for a freed gate place before asking the fair queue again
+THROTTLED_POLL_S = 0.05  # least wait when every backlogged job waits for its own bucket
 
 
 def error_payload(exc: BaseException, request_id: str = "") -> dict[str, Any]:
@@ -189,8 +190,11 @@ class Broker:
                 self.enqueue(Task.ACQUIRE_NEXT, [""], Queue.ACQUIRE.value)
             if got.kind == "empty":
                 return {"idle": True}
-            if got.kind != "ok":
-                time.sleep(max(GATED_POLL_S, got.wait_s) * (0.5 + random.random()))
+            if got.kind == "gated":
+                self.fair.wait_gate(GATE_WAIT_S)
+                continue
+            if got.kind != "ok":  # every backlogged job waits for its own bucket
+                time.sleep(max(THROTTLED_POLL_S, got.wait_s) * (0.5 + random.random()))
                 continue
             try:
                 return self.acquire_and_deliver(

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import redis
 
-from broker.acquire.fairshare import PROC, FairQueue, Pop, conf_fields
+from broker.acquire.fairshare import PROC, WAKE, FairQueue, Pop, conf_fields
 from broker.pacing import Limits, Pacer
 from broker.wire import fairq, mailbox
 from broker.wire.request import AcquireRequest
@@ -185,7 +185,8 @@ def test_the_gate_bounds_requests_waiting_for_a_token(r: redis.Redis) -> None:
     ids = push(r, "a", 4)
     one, two = q.pop(), q.pop()
     assert q.pop().kind == "gated"
-    q.ungate(one.request_id)  # it holds its token now
+    q.ungate(one.request_id)  # its token is reserved now: one gated worker is woken
+    assert r.blpop([WAKE], timeout=1) is not None
     three = q.pop()
     assert [one.request_id, two.request_id, three.request_id] == ids[:3]
 
