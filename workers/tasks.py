@@ -5,7 +5,8 @@ admission is idempotent and tokens are derived), a release settles whatever stat
 finds, a refill skips rows that already moved on, a hand-out refuses a claimed row. A
 message redelivered after a worker died therefore converges on the same sandbox.
 
-The same idempotence makes retrying safe: those tasks retry a ``TemporaryError``
+The same idempotence makes retrying safe: those tasks (and ``acquire_next``, whose
+outcomes go to mailboxes) retry a ``TemporaryError``
 (PostgreSQL or Redis briefly away, the API server throttling) with exponential backoff.
 The acquire task does not: its outcome, error included, goes to the trainer's mailbox,
 and the trainer, who owns the deadline, decides.
@@ -37,9 +38,11 @@ def acquire(message: dict[str, Any]) -> dict[str, Any]:
     return broker().acquire_and_deliver(message)
 
 
-@app.task(name=Task.ACQUIRE_NEXT, acks_late=True, reject_on_worker_lost=True)
+@app.task(name=Task.ACQUIRE_NEXT, acks_late=True, reject_on_worker_lost=True, **RETRY)
 def acquire_next(job_hint: str = "") -> dict[str, Any]:
-    """One acquire is pending: the fair queue picks which (``job_hint`` is for logs)."""
+    """One acquire is pending: the fair queue picks which (``job_hint`` is for logs).
+    It retries when Redis was away: a spare "pending" message is harmless (its pop finds
+    nothing), a lost one would leave a request without a message to serve it."""
     return broker().acquire_next()
 
 

@@ -185,13 +185,15 @@ class Broker:
         job's: the scheduler decides, not the message), waiting while the gate is full or
         every backlogged job waits for its own bucket; nothing queued, nothing to do."""
         while True:
-            got = self.fair.pop()
+            with typed_errors():  # Redis away: ServiceUnavailable, and the task retries
+                got = self.fair.pop()
             for _ in range(got.swept):  # a dead worker's request needs a message again
                 self.enqueue(Task.ACQUIRE_NEXT, [""], Queue.ACQUIRE.value)
             if got.kind == "empty":
                 return {"idle": True}
             if got.kind == "gated":
-                self.fair.wait_gate(GATE_WAIT_S)
+                with typed_errors():
+                    self.fair.wait_gate(GATE_WAIT_S)
                 continue
             if got.kind != "ok":  # every backlogged job waits for its own bucket
                 time.sleep(max(THROTTLED_POLL_S, got.wait_s) * (0.5 + random.random()))
