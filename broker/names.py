@@ -22,7 +22,8 @@ class Queue(StrEnum):
 class Task(StrEnum):
     """Celery task names (stable across versions: queued messages outlive deploys)."""
 
-    ACQUIRE = "sandman.acquire"
+    ACQUIRE = "sandman.acquire"  # carries the request (older clients; still served)
+    ACQUIRE_NEXT = "sandman.acquire_next"  # "one acquire is pending": the fair queue says which
     RELEASE = "sandman.release"
     CLAIMED = "sandman.claimed"
     HEARTBEAT = "sandman.heartbeat"
@@ -35,6 +36,7 @@ class Task(StrEnum):
 # Which queue each task travels on; the Celery route table is built from this.
 TASK_QUEUE: dict[Task, Queue] = {
     Task.ACQUIRE: Queue.ACQUIRE,
+    Task.ACQUIRE_NEXT: Queue.ACQUIRE,
     Task.RELEASE: Queue.RELEASE,
     Task.CLAIMED: Queue.RELEASE,
     Task.HEARTBEAT: Queue.RELEASE,
@@ -71,6 +73,7 @@ TENANT_NAME_PATTERN = r"^[A-Za-z0-9.-]{1,63}$"
 TENANT_MAX_QUOTA = 10_000_000  # the largest quota value the API accepts (null: no limit)
 # ... except for a quota in bytes, where ten million would be ten megabytes: 1 PiB.
 TENANT_MAX_QUOTA_BYTES = 1 << 50
+MAX_WEIGHT = 1000.0  # the largest fair-share weight of a tenant or job (the API says so too)
 
 # Pod labels: the GC trusts only pods whose installation label and nonce it wrote.
 LABEL_INSTALLATION = "sandman.io/installation"
@@ -98,6 +101,7 @@ MANAGED_BY = "app.kubernetes.io/managed-by"
 PACE_PREFIX = "sandman:pace"  # token buckets and create semaphores, per scope
 PACE_BUCKET_GLOBAL = f"{PACE_PREFIX}:bucket:global"
 PACE_SEM_GLOBAL = f"{PACE_PREFIX}:sem:global"
+FAIR_PREFIX = "sandman:fair"  # the fair acquire queue (broker.wire.fairq, acquire.fairshare)
 WARM_PREFIX = "sandman:warm"  # never-used pods per pool key
 WARM_CLAIMED_PREFIX = "sandman:warm-claimed:"  # claimed warm pods awaiting their hand-out
 GC_LAST_KEY = "sandman:gc:last"  # the latest GC pass summary (UI, /metrics)

@@ -27,7 +27,7 @@ import contextlib
 import random
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -170,8 +170,15 @@ class Pacer:
         granted, wait, start = self._bucket(keys=keys, args=args)
         return bool(int(granted)), float(wait), float(start)
 
-    def take(self, limits: Limits, *, deadline: float) -> None:
-        """Block (monotonic ``deadline``) until this caller may start one create.
+    def take(
+        self,
+        limits: Limits,
+        *,
+        deadline: float,
+        on_reserved: Callable[[], None] | None = None,
+    ) -> None:
+        """Block (monotonic ``deadline``) until this caller may start one create;
+        ``on_reserved`` is told as soon as its start is reserved, before the sleep to it.
 
         Reservations are made at most RESERVE_HORIZON_S ahead. A reservation also moves
         the global bucket to its start time, so a job throttled by its own rate that
@@ -183,6 +190,8 @@ class Pacer:
             remaining = deadline - self.clock.monotonic()
             granted, wait, _ = self._try(limits, max(0.0, min(RESERVE_HORIZON_S, remaining)))
             if granted:
+                if on_reserved is not None:
+                    on_reserved()
                 if wait > 0:
                     self.clock.sleep(wait)
                 return
@@ -212,19 +221,30 @@ class Pacer:
         return int(self.redis.zcard(names.PACE_SEM_GLOBAL))
 
     @contextlib.contextmanager
-    def create_slot(self, limits: Limits, *, deadline: float) -> Iterator[None]:
+    def create_slot(
+        self,
+        limits: Limits,
+        *,
+        deadline: float,
+        on_reserved: Callable[[], None] | None = None,
+    ) -> Iterator[None]:
         """Hold a concurrency slot, then a token: the create runs inside the block.
+        ``on_reserved``: called once the token's start is reserved (see ``take``), or
+        as soon as the caller must wait for a slot (a capped job must not hold back others).
 
         Slot first, token second: a token taken while still waiting for a slot would let
         creates bunch up behind the semaphore and leave together as a burst.
         """
         member = uuid.uuid4().hex
         while not self.try_slot(limits, member):
+            if on_reserved is not None:  # waiting for a slot: let the next caller go first
+                on_reserved()
+                on_reserved = None
             if self.clock.monotonic() >= deadline:
                 raise AcquireTimeout("concurrent-create cap: no slot before the deadline")
             self.clock.sleep(0.02 + random.random() * 0.03)
         try:
-            self.take(limits, deadline=deadline)
+            self.take(limits, deadline=deadline, on_reserved=on_reserved)
             yield
         finally:
             self.release_slot(limits, member)

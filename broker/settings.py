@@ -69,6 +69,9 @@ class Settings:
     create_rate: float = 20.0
     create_burst: int = 20
     max_concurrent_creates: int = 64
+    # Acquires popped from the fair queue that may wait for a create token at once
+    # (broker/acquire/fairshare.py); 0: derived from create_rate.
+    fair_gate: int = 0
     readiness_budget_s: float = 120.0
     # A creating row's lease = readiness budget + this margin; past it the GC assumes the
     # creating worker died and settles the row itself.
@@ -129,6 +132,8 @@ class Settings:
             )
         if self.create_rate <= 0 or self.create_burst < 1:
             raise ConfigError("SANDMAN_CREATE_RATE must be > 0 and SANDMAN_CREATE_BURST >= 1")
+        if self.fair_gate < 0:
+            raise ConfigError("SANDMAN_FAIR_GATE must be >= 0 (0: derived from the rate)")
         if self.max_reuses < 0:
             raise ConfigError("SANDMAN_MAX_REUSES must be >= 0")
         if self.snapshot_ttl_s <= 0 or self.snapshot_grace_s < 0:

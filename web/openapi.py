@@ -97,15 +97,29 @@ OVERVIEW = _obj(
         "queue_depth": {"type": "object", "additionalProperties": _n(_I)},
         "warm_hits_1h": {"type": _I}, "acquires_1h": {"type": _I},
         "warm_hit_rate": _n(_F), "leaks_open": _COUNTS, "leaks_open_total": {"type": _I},
+        "shares": {"type": "array", "items": _ref("Share")},
     }
 )  # fmt: skip
+SHARE = _obj(
+    {
+        "job": {"type": _S}, "tenant": _n(_S), "weight": {"type": _F},
+        "tenant_weight": _n(_F), "creates": {"type": _I},
+        "share": {"type": _F, "description": "of all creates of the last minute"},
+    }
+)  # fmt: skip
+_WEIGHT = {
+    "type": "number",
+    "exclusiveMinimum": 0,
+    "maximum": names.MAX_WEIGHT,
+    "description": "share of the create rate (fair queuing); default 1",
+}
 TENANT_NAME = names.TENANT_NAME_PATTERN
 TENANT = _obj(
     {
         "name": {"type": _S}, "max_live": _n(_I), "creates_per_minute": _n(_I),
         "snapshot_bytes": _n(_I), "jobs": {"type": "array", "items": {"type": _S}},
         "live": {"type": _I}, "creates_last_minute": {"type": _I},
-        "snapshot_bytes_held": {"type": _I},
+        "snapshot_bytes_held": {"type": _I}, "weight": {"type": _F},
     }
 )  # fmt: skip
 _QUOTA = {
@@ -129,6 +143,7 @@ JOB = _obj(
         "readiness_budget_s": {"type": _F}, "idle_timeout_s": _n(_F),
         "lease_s": {"type": _F}, "egress": {"type": _S}, "reuse": {"type": _B},
         "max_reuses": {"type": _I}, "live": _COUNTS, "live_total": {"type": _I},
+        "weight": {"type": _F},
         "pools": {"type": "array", "items": _ref("Pool")},
     }
 )  # fmt: skip
@@ -307,6 +322,7 @@ def spec() -> dict[str, Any]:
                     {
                         "name": {"type": _S, "pattern": TENANT_NAME},
                         **_QUOTAS,
+                        "weight": _WEIGHT,
                     },
                     ["name"],
                 ),
@@ -317,9 +333,10 @@ def spec() -> dict[str, Any]:
         },
         "/api/tenants/{name}": {
             "post": _admin_post(
-                "Change a tenant's quotas: the keys given, null for no limit (admin; audited)",
+                "Change a tenant's quotas (the keys given, null for no limit) or weight "
+                "(admin; audited)",
                 {
-                    **_closed(_QUOTAS, []),
+                    **_closed({**_QUOTAS, "weight": _WEIGHT}, []),
                     "minProperties": 1,
                 },
                 _json(_ref("Tenant")),
@@ -331,6 +348,15 @@ def spec() -> dict[str, Any]:
             "post": _admin_post(
                 "Move a job to a tenant, or to none with null (admin; audited)",
                 _closed({"tenant": {"type": [_S, "null"], "pattern": TENANT_NAME}}, ["tenant"]),
+                _json(_obj({"ok": {"type": _B}})),
+                "200",
+                [_param("job", {"type": _S}, "path", required=True)],
+            )
+        },
+        "/api/jobs/{job}/weight": {
+            "post": _admin_post(
+                "Change a job's weight within its tenant (admin; audited)",
+                _closed({"weight": _WEIGHT}, ["weight"]),
                 _json(_obj({"ok": {"type": _B}})),
                 "200",
                 [_param("job", {"type": _S}, "path", required=True)],
@@ -382,6 +408,7 @@ def spec() -> dict[str, Any]:
                 "Leak": LEAK,
                 "Pod": POD,
                 "Overview": OVERVIEW,
+                "Share": SHARE,
                 "Job": JOB,
                 "Tenant": TENANT,
                 "Pool": POOL,

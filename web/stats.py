@@ -17,6 +17,7 @@ from sqlalchemy import func, select, text
 from sqlalchemy.orm import Session
 
 from broker import names
+from broker.acquire import weights
 from broker.ledger.models import Event, Leak, Sandbox, utcnow
 from broker.ledger.states import LIVE_STATES
 
@@ -44,6 +45,8 @@ class Overview:
     acquires_1h: int = 0
     leaks_open: dict[str, int] = field(default_factory=dict)
     redis_error: str | None = None
+    # each job's part of the creates of the last minute, with its weights (fair share)
+    shares: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def warm_hit_rate(self) -> float | None:
@@ -64,6 +67,7 @@ class Overview:
             "warm_hits_1h": self.warm_hits_1h,
             "acquires_1h": self.acquires_1h,
             "warm_hit_rate": self.warm_hit_rate,
+            "shares": self.shares,
             "leaks_open": self.leaks_open,
             "leaks_open_total": self.leaks_open_total,
         }
@@ -133,6 +137,11 @@ def overview(session: Session, redis: Any | None) -> Overview:
     )
     out.leaks_open = leaks_open(session)
     out.queue_depth = queue_depth(redis)
+    out.shares = [
+        share.to_dict()
+        for share in weights.shares(session, now)
+        if share.creates or share.weight != 1 or share.tenant_weight not in (None, 1)
+    ]
     return out
 
 

@@ -7,7 +7,8 @@ With the hour-long default a killed worker's acquires waited an hour (issue 20, 
 a short timeout alone would redeliver every acquire still waiting for readiness on a live
 worker. So the timeout is short (``Settings.redelivery_s``) and this thread, in every
 worker process, re-scores the messages of the requests the worker is running or has
-reserved, a few times per timeout. A killed worker stops renewing; its messages come back
+reserved, a few times per timeout, and the leases of the fair queue's requests it serves
+(``broker.acquire.fairshare``). A killed worker stops renewing; its messages come back
 within one timeout and a sweep. Should a renewal still be missed (a stalled process), a
 duplicate delivery converges on the same sandbox: every task is idempotent
 (``workers.tasks``).
@@ -60,6 +61,7 @@ class Renewer:
         while not self.stopped.wait(self.every_s):
             try:
                 self.renew(held_tags())
+                renew_fair_queue()
             except redis.RedisError as exc:  # Redis away: the next round tries again
                 log.info("renewing held task messages failed: %s", exc)
 
@@ -70,6 +72,14 @@ class Renewer:
         self.stopped.set()
         self.thread.join(timeout=5)
         self.client.close()
+
+
+def renew_fair_queue() -> None:
+    """The fair queue's leases on the requests this process serves, renewed in the same
+    round as their messages (their lease is shorter, so they come back first)."""
+    from workers.runtime import broker
+
+    broker().fair.renew_held()
 
 
 _renewers: list[Renewer] = []

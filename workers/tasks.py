@@ -5,7 +5,8 @@ admission is idempotent and tokens are derived), a release settles whatever stat
 finds, a refill skips rows that already moved on, a hand-out refuses a claimed row. A
 message redelivered after a worker died therefore converges on the same sandbox.
 
-The same idempotence makes retrying safe: those tasks retry a ``TemporaryError``
+The same idempotence makes retrying safe: those tasks (and ``acquire_next``, whose
+outcomes go to mailboxes) retry a ``TemporaryError``
 (PostgreSQL or Redis briefly away, the API server throttling) with exponential backoff.
 The acquire task does not: its outcome, error included, goes to the trainer's mailbox,
 and the trainer, who owns the deadline, decides.
@@ -35,6 +36,14 @@ RETRY: dict[str, Any] = {
 @app.task(name=Task.ACQUIRE, acks_late=True, reject_on_worker_lost=True)
 def acquire(message: dict[str, Any]) -> dict[str, Any]:
     return broker().acquire_and_deliver(message)
+
+
+@app.task(name=Task.ACQUIRE_NEXT, acks_late=True, reject_on_worker_lost=True, **RETRY)
+def acquire_next(job_hint: str = "") -> dict[str, Any]:
+    """One acquire is pending: the fair queue picks which (``job_hint`` is for logs).
+    It retries when Redis was away: a spare "pending" message is harmless (its pop finds
+    nothing), a lost one would leave a request without a message to serve it."""
+    return broker().acquire_next()
 
 
 @app.task(name=Task.SNAPSHOT, acks_late=True, reject_on_worker_lost=True)
@@ -74,7 +83,11 @@ def pool_refill(sandbox_id: str) -> str:
 @app.task(name=Task.POOL_UPKEEP, acks_late=True)
 def pool_upkeep() -> dict[str, Any]:
     service = broker()
-    return {"pools": service.pools.upkeep_all(), "prepull": service.prepull.reconcile()}
+    return {
+        "fair_jobs": service.sync_fair(),
+        "pools": service.pools.upkeep_all(),
+        "prepull": service.prepull.reconcile(),
+    }
 
 
 @app.task(name=Task.GC, acks_late=True)
@@ -84,5 +97,6 @@ def gc() -> dict[str, object]:
 
 @worker_ready.connect
 def _build_services_early(**_: Any) -> None:
-    """Build engine, Redis pool and backend before the first task, not during it."""
-    broker()
+    """Build engine, Redis pool and backend before the first task, not during it, and
+    give the fair scheduler today's weights."""
+    broker().sync_fair()

@@ -8,6 +8,7 @@ these functions, so a change is validated and audited one way whoever makes it.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -30,6 +31,7 @@ MAX_QUOTA = {
     "creates_per_minute": names.TENANT_MAX_QUOTA,
     "snapshot_bytes": names.TENANT_MAX_QUOTA_BYTES,
 }
+MAX_WEIGHT = names.MAX_WEIGHT
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,7 @@ class TenantView:
     live: int = 0
     creates_last_minute: int = 0
     snapshot_bytes_held: int = 0  # listed by its live, unexpired snapshots
+    weight: float = 1.0  # its share of the create rate (broker.acquire.fairshare)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -57,12 +60,30 @@ def validate_name(name: str) -> str:
     return name
 
 
-def validate_quotas(quotas: dict[str, Any]) -> dict[str, int | None]:
-    """Only known quotas, each a whole number from 0 to its MAX_QUOTA or None (no limit)."""
-    out: dict[str, int | None] = {}
+def validate_weight(given: Any) -> float:
+    """A weight is a number in (0, MAX_WEIGHT]: a share, never 'no share at all'."""
+    ok = (
+        isinstance(given, int | float)
+        and not isinstance(given, bool)
+        and math.isfinite(given)
+        and 0 < given <= MAX_WEIGHT
+    )
+    if not ok:
+        raise InvalidRequest(f"weight must be a number in (0, {MAX_WEIGHT}]", field="weight")
+    return float(given)
+
+
+def validate_quotas(quotas: dict[str, Any]) -> dict[str, int | float | None]:
+    """Only known quotas, each a whole number from 0 to its MAX_QUOTA or None (no limit),
+    and the tenant's ``weight``."""
+    out: dict[str, int | float | None] = {}
     for key, given in quotas.items():
+        if key == "weight":
+            out[key] = validate_weight(given)
+            continue
         if key not in QUOTAS:
-            raise InvalidRequest(f"unknown quota {key!r}: one of {', '.join(QUOTAS)}", field=key)
+            known = ", ".join((*QUOTAS, "weight"))
+            raise InvalidRequest(f"unknown quota {key!r}: one of {known}", field=key)
         # JSON's 4066.0 is the integer 4066 (as JSON Schema says)
         value = int(given) if isinstance(given, float) and given.is_integer() else given
         ok = value is None or (
@@ -74,11 +95,13 @@ def validate_quotas(quotas: dict[str, Any]) -> dict[str, int | None]:
     return out
 
 
-def _quotas_of(tenant: Tenant) -> dict[str, int | None]:
-    return {key: getattr(tenant, key) for key in QUOTAS}
+def _quotas_of(tenant: Tenant, weight: bool = False) -> dict[str, int | float | None]:
+    """What an audit event records: the quotas, and the weight when it was given."""
+    keys = (*QUOTAS, "weight") if weight else QUOTAS
+    return {key: getattr(tenant, key) for key in keys}
 
 
-def _audit(
+def audit(
     session: Session,
     action: str,
     tenant: str | None,
@@ -109,10 +132,13 @@ def create(
         with sessions.begin() as session:
             if session.get(Tenant, validate_name(name)) is not None:
                 raise exists
-            row = Tenant(name=name, **{k: values.get(k) for k in QUOTAS})
+            row = Tenant(
+                name=name, weight=values.get("weight", 1.0), **{k: values.get(k) for k in QUOTAS}
+            )
             session.add(row)
             session.flush()  # a concurrent create of the same name fails here
-            _audit(session, "tenant-create", name, None, _quotas_of(row), actor=actor)
+            after = _quotas_of(row, "weight" in values)
+            audit(session, "tenant-create", name, None, after, actor=actor)
     except IntegrityError as exc:
         raise exists from exc
     return get(sessions, name)
@@ -121,7 +147,7 @@ def create(
 def update(
     sessions: sessionmaker[Session], name: str, quotas: dict[str, Any], *, actor: str
 ) -> TenantView:
-    """Change the given quotas (None: no limit); the others stay as they are."""
+    """Change the given quotas (None: no limit) or weight; the others stay as they are."""
     values = validate_quotas(quotas)
     if not values:
         raise InvalidRequest("name at least one quota to change", field="quota")
@@ -129,11 +155,12 @@ def update(
         row = session.get(Tenant, name, with_for_update=True)
         if row is None:
             raise UnknownTenant(f"unknown tenant {name!r}: create it first", field="name")
-        before = _quotas_of(row)
+        before = _quotas_of(row, "weight" in values)
         for key, value in values.items():
             setattr(row, key, value)
         row.updated_at = utcnow()
-        _audit(session, "tenant-set", name, before, _quotas_of(row), actor=actor)
+        after = _quotas_of(row, "weight" in values)
+        audit(session, "tenant-set", name, before, after, actor=actor)
     return get(sessions, name)
 
 
@@ -150,7 +177,7 @@ def assign_job(
             return
         before = row.tenant
         row.tenant = tenant
-        _audit(
+        audit(
             session,
             "job-tenant",
             tenant,
@@ -219,6 +246,7 @@ def listing(sessions: sessionmaker[Session], name: str | None = None) -> list[Te
             int(live.get(t.name, 0)),
             int(recent.get(t.name, 0)),
             int(held.get(t.name) or 0),
+            t.weight,
         )
         for t in tenants
     ]

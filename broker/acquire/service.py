@@ -18,10 +18,12 @@ Workers inject ``enqueue`` (send a task by name), so this module never imports w
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import logging
+import random
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -29,6 +31,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from broker import failpoints
 from broker.acquire.cancel import CancelWatcher
+from broker.acquire.fairshare import FairQueue, default_gate
 from broker.acquire.idle import IdleReclaimer
 from broker.backends.base import Backend
 from broker.errors import (
@@ -42,6 +45,7 @@ from broker.errors import (
 from broker.ledger import store
 from broker.ledger.models import Job, Sandbox
 from broker.ledger.states import State
+from broker.names import Queue, Task
 from broker.ownership.provider import Provider
 from broker.pacing import Limits, Pacer
 from broker.pools import reuse
@@ -59,6 +63,8 @@ from broker.wire.types import Lease
 log = logging.getLogger(__name__)
 
 CAP_POLL_S = 0.1  # how often a queued acquire re-asks for room under its job's live cap
+GATE_WAIT_S = 0.25  # longest wait for a freed gate place before asking the fair queue again
+THROTTLED_POLL_S = 0.05  # least wait when every backlogged job waits for its own bucket
 
 
 def error_payload(exc: BaseException, request_id: str = "") -> dict[str, Any]:
@@ -139,6 +145,13 @@ class Broker:
         self.pacer = Pacer(redis, slot_ttl_s=settings.readiness_budget_s + 120)
         self.warm = WarmStore(redis)
         self.watcher = CancelWatcher(redis)
+        # The lease is shorter than a Celery message's redelivery: a dead worker's request
+        # is back in its list before its "pending" message comes back.
+        self.fair = FairQueue(
+            redis,
+            lease_s=settings.redelivery_s * 2 / 3,
+            gate=settings.fair_gate or default_gate(settings.create_rate),
+        )
         self.enqueue: Enqueue = enqueue or (lambda name, args, queue: None)
         self.pools = PoolUpkeep(settings, sessions, self.provider, self.warm, self.enqueue)
         self.prepull = PrePull(settings, sessions, self.provider.backend, self.pacer, self.limits)
@@ -160,15 +173,50 @@ class Broker:
             )
         return self._snapshots
 
+    def sync_fair(self) -> int:
+        """The fair scheduler's copy of weights, tenants and per-job rates, from the ledger."""
+        from broker.acquire import weights
+
+        with typed_errors():
+            return weights.sync(self.sessions, self.redis)
+
     # -- acquire ----------------------------------------------------------------------
 
-    def acquire_and_deliver(self, message: Mapping[str, Any]) -> dict[str, Any]:
+    def acquire_next(self) -> dict[str, Any]:
+        """One "acquire pending" message: serve the request the fair queue picks (any
+        job's: the scheduler decides, not the message), waiting while the gate is full or
+        every backlogged job waits for its own bucket; nothing queued, nothing to do."""
+        while True:
+            with typed_errors():  # Redis away: ServiceUnavailable, and the task retries
+                got = self.fair.pop()
+            for _ in range(got.swept):  # a dead worker's request needs a message again
+                self.enqueue(Task.ACQUIRE_NEXT, [""], Queue.ACQUIRE.value)
+            if got.kind == "empty":
+                return {"idle": True}
+            if got.kind == "gated":
+                with typed_errors():
+                    self.fair.wait_gate(GATE_WAIT_S)
+                continue
+            if got.kind != "ok":  # every backlogged job waits for its own bucket
+                time.sleep(max(THROTTLED_POLL_S, got.wait_s) * (0.5 + random.random()))
+                continue
+            try:
+                return self.acquire_and_deliver(
+                    got.body or {}, ungate=functools.partial(self.fair.ungate, got.request_id)
+                )
+            finally:
+                self.fair.done(got.request_id)
+
+    def acquire_and_deliver(
+        self, message: Mapping[str, Any], ungate: Callable[[], None] | None = None
+    ) -> dict[str, Any]:
         """The broker-side door: parse the queue message once, acquire, and push the
-        outcome (lease or typed error) to the trainer's mailbox."""
+        outcome (lease or typed error) to the trainer's mailbox. ``ungate`` is called once
+        the create's pacer token is reserved (or while it waits at its job's cap)."""
         rid = str(message.get("request_id")) if isinstance(message, Mapping) else "None"
         lease: Lease | None = None
         try:
-            lease = self.acquire(AcquireRequest.parse(message))
+            lease = self.acquire(AcquireRequest.parse(message), ungate=ungate)
             payload: dict[str, Any] = {"lease": lease.to_dict()}
         except Exception as exc:
             if not isinstance(exc, SandmanError):
@@ -179,7 +227,7 @@ class Broker:
             return {"cancelled": True, "sandbox_id": lease.sandbox_id}
         return {k: v for k, v in payload.get("lease", payload).items() if k != "token"}
 
-    def acquire(self, request: AcquireRequest) -> Lease:
+    def acquire(self, request: AcquireRequest, ungate: Callable[[], None] | None = None) -> Lease:
         """A cold create for a validated request (the client already missed the pool)."""
         rid = request.request_id
         deadline = time.monotonic() + request.seconds_left()
@@ -188,7 +236,7 @@ class Broker:
         if time.monotonic() >= deadline:
             raise AcquireTimeout(f"acquire {rid} expired in the queue")
         abandoned = mailbox.cancelled(self.redis, rid)
-        sandbox_id, token = self._admit(request, job.max_live, deadline, abandoned)
+        sandbox_id, token = self._admit(request, job.max_live, deadline, abandoned, ungate)
         give_up = self.watcher.watch(rid, deadline)
         try:
             lease = self._create_paced(
@@ -199,6 +247,7 @@ class Broker:
                 give_up=give_up,
                 workdir=request.workdir,
                 env=request.sandbox_env(),
+                paced=ungate,
             )
         finally:
             self.watcher.unwatch(rid)
@@ -208,14 +257,21 @@ class Broker:
         return lease
 
     def _admit(
-        self, request: AcquireRequest, max_live: int | None, deadline: float, abandoned: bool
+        self,
+        request: AcquireRequest,
+        max_live: int | None,
+        deadline: float,
+        abandoned: bool,
+        ungate: Callable[[], None] | None = None,
     ) -> tuple[str, str]:
         """The provider's admission, waiting queue-side (before any pacer token or API
-        call) while the job is at its hard live cap."""
+        call) while the job is at its hard live cap, out of the fair queue's gate."""
         while True:
             try:
                 return self.provider.intent(request, abandoned=abandoned)
             except AtCapacity as exc:
+                if ungate is not None:
+                    ungate()
                 if time.monotonic() >= deadline:
                     raise AcquireTimeout(
                         f"job {request.job} stayed at its cap of {max_live} live sandboxes"
@@ -232,12 +288,14 @@ class Broker:
         give_up: threading.Event | None = None,
         workdir: str = "/",
         env: dict[str, str] | None = None,
+        paced: Callable[[], None] | None = None,
     ) -> Lease:
         """The provider's create inside a pacer slot; an intent never sent to the backend
-        (paced out) is closed here, one that was is settled by the provider."""
+        (paced out) is closed here, one that was is settled by the provider. ``paced``
+        is told when the slot is held and the token's start reserved."""
         submitted = False
         try:
-            with self.pacer.create_slot(limits, deadline=deadline):
+            with self.pacer.create_slot(limits, deadline=deadline, on_reserved=paced):
                 submitted = True
                 return self.provider.create(
                     sandbox_id, token, give_up=give_up, workdir=workdir, env=env

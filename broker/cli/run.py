@@ -187,6 +187,13 @@ def register(group: click.Group) -> None:
         metavar="NAME|none",
         help="Move the job to this tenant (its quotas apply; audited); none: to no tenant.",
     )
+    @click.option(
+        "--weight",
+        type=float,
+        default=None,
+        help="Share of its tenant's create rate against the tenant's other jobs (default 1; "
+        "audited).",
+    )
     @click.pass_context
     def job_create(  # noqa: PLR0917 (click passes options positionally)
         ctx: click.Context,
@@ -205,6 +212,7 @@ def register(group: click.Group) -> None:
         egress: str | None,
         hot_images: tuple[str, ...],
         tenant: str | None,
+        weight: float | None,
     ) -> None:
         """Create or update job NAME."""
         from broker.errors import SandmanError
@@ -252,6 +260,14 @@ def register(group: click.Group) -> None:
 
                 to = None if tenant.strip().lower() == "none" else tenant
                 quotas.assign_job(root.sessions, name, to, actor=actor())
+            if weight is not None:
+                from broker.acquire import weights
+                from broker.cli.tenants import actor
+
+                weights.set_job_weight(root.sessions, name, weight, actor=actor())
+            from broker.cli.tenants import sync_weights
+
+            sync_weights(root)  # its tenant, weight and own rate, for the fair scheduler
             with root.sessions() as session:
                 row = store.get_job(session, name)
                 click.echo(
@@ -266,6 +282,7 @@ def register(group: click.Group) -> None:
                             "egress_allow": row.egress_allow,
                             "hot_images": row.hot_images,
                             "tenant": row.tenant,
+                            "weight": row.weight,
                         }
                     )
                 )

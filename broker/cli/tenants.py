@@ -1,4 +1,4 @@
-"""``sandman tenant create|set|ls``: teams, their quotas, and which jobs they own.
+"""``sandman tenant create|set|ls``: teams, their quotas and weights, and their jobs.
 
 Every change goes through ``broker.acquire.quotas`` (validated, audited as an ``admin``
 event with the actor ``cli:<user>``) and applies to the next acquire.
@@ -30,21 +30,43 @@ def actor() -> str:
     return f"cli:{getpass.getuser()}"
 
 
-def _run(ctx: click.Context, work: Callable[[Any], Any]) -> Any:
-    """``work(sessions)`` on a one-shot root; typed refusals become a usage error."""
+def _run(ctx: click.Context, work: Callable[[Any], Any], sync: bool = False) -> Any:
+    """``work(sessions)`` on a one-shot root; typed refusals become a usage error;
+    ``sync``: a change the fair scheduler must hear of."""
     from broker.errors import SandmanError
 
     root = tool_root(settings_of(ctx), actor=actor())
     try:
-        return work(root.sessions)
+        done = work(root.sessions)
+        if sync:
+            sync_weights(root)
+        return done
     except SandmanError as exc:
         raise click.ClickException(str(exc)) from exc
     finally:
         root.dispose()
 
 
-def _given(**given: str | None) -> dict[str, int | None]:
-    """The quota options given on the command line (an option left out: unchanged)."""
+def sync_weights(root: Any) -> None:
+    """Tell the fair scheduler at once (without Redis, the next pool upkeep does)."""
+    from broker.acquire import weights
+
+    redis = root.redis()
+    if redis is not None:
+        weights.sync(root.sessions, redis)
+
+
+def _given(weight: str | None = None, **quotas: str | None) -> dict[str, int | float | None]:
+    """The quota and weight options given on the command line (one left out: unchanged)."""
+    given: dict[str, int | float | None] = {
+        k: _quota(v) for k, v in quotas.items() if v is not None
+    }
+    if weight is not None:
+        try:
+            given["weight"] = float(weight)
+        except ValueError as exc:
+            raise click.BadParameter(f"{weight!r} is not a number") from exc
+    return given
     return {k: _quota(v) for k, v in given.items() if v is not None}
 
 
@@ -64,6 +86,12 @@ def register(group: click.Group) -> None:
             metavar="N|none",
             help="Bytes listed by the live snapshots of all its jobs.",
         ),
+        click.option(
+            "--weight",
+            default=None,
+            metavar="W",
+            help="Share of the create rate against other tenants (default 1).",
+        ),
     ]
 
     def with_quotas(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -76,11 +104,11 @@ def register(group: click.Group) -> None:
     @with_quotas
     @click.pass_context
     def create(ctx: click.Context, /, name: str, **given: str | None) -> None:
-        """Create tenant NAME (a quota not given: no limit)."""
+        """Create tenant NAME (a quota not given: no limit; weight: 1)."""
         from broker.acquire import quotas
 
         quotas_given = _given(**given)
-        view = _run(ctx, lambda s: quotas.create(s, name, quotas_given, actor=actor()))
+        view = _run(ctx, lambda s: quotas.create(s, name, quotas_given, actor=actor()), sync=True)
         click.echo(json.dumps(view.to_dict()))
 
     @tenant.command("set")
@@ -88,11 +116,11 @@ def register(group: click.Group) -> None:
     @with_quotas
     @click.pass_context
     def set_(ctx: click.Context, /, name: str, **given: str | None) -> None:
-        """Change the given quotas of tenant NAME ('none': no limit); audited."""
+        """Change the given quotas ('none': no limit) or weight of tenant NAME; audited."""
         from broker.acquire import quotas
 
         quotas_given = _given(**given)
-        view = _run(ctx, lambda s: quotas.update(s, name, quotas_given, actor=actor()))
+        view = _run(ctx, lambda s: quotas.update(s, name, quotas_given, actor=actor()), sync=True)
         click.echo(json.dumps(view.to_dict()))
 
     @tenant.command("ls")
@@ -107,7 +135,10 @@ def register(group: click.Group) -> None:
             for view in views:
                 click.echo(json.dumps(view.to_dict()))
             return
-        click.echo(f"{'tenant':24} {'live':>11} {'creates/min':>13} {'snapshot bytes':>23}  jobs")
+        click.echo(
+            f"{'tenant':24} {'live':>11} {'creates/min':>13} "
+            f"{'snapshot bytes':>23} {'weight':>7}  jobs"
+        )
 
         def used(n: int, limit: int | None) -> str:
             return f"{n}/{'-' if limit is None else limit}"
@@ -116,5 +147,6 @@ def register(group: click.Group) -> None:
             click.echo(
                 f"{v.name:24} {used(v.live, v.max_live):>11} "
                 f"{used(v.creates_last_minute, v.creates_per_minute):>13} "
-                f"{used(v.snapshot_bytes_held, v.snapshot_bytes):>23}  {', '.join(v.jobs)}"
+                f"{used(v.snapshot_bytes_held, v.snapshot_bytes):>23} {v.weight:>7g}  "
+                f"{', '.join(v.jobs)}"
             )

@@ -61,6 +61,8 @@ class Tenant(Base):
     max_live: Mapped[int | None] = mapped_column(Integer)  # live sandboxes, warm ones included
     creates_per_minute: Mapped[int | None] = mapped_column(Integer)  # intents, sliding minute
     snapshot_bytes: Mapped[int | None] = mapped_column(BigInteger)  # listed by live snapshots
+    # Its share of the create rate against other tenants (broker/acquire/fairshare.py)
+    weight: Mapped[float] = mapped_column(Float, default=1.0, server_default="1")
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     updated_at: Mapped[dt.datetime] = mapped_column(
         DateTime(timezone=True), default=utcnow, onupdate=utcnow
@@ -96,6 +98,8 @@ class Job(Base):
     max_reuses: Mapped[int] = mapped_column(Integer, default=8)
     # The most bytes (logical, all files listed) its live snapshots may hold; None: no limit.
     snapshot_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    # Its share of its tenant's create rate against the tenant's other active jobs
+    weight: Mapped[float] = mapped_column(Float, default=1.0, server_default="1")
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     updated_at: Mapped[dt.datetime] = mapped_column(
         DateTime(timezone=True), default=utcnow, onupdate=utcnow
@@ -111,6 +115,7 @@ class Sandbox(Base):
         Index("ix_sandboxes_lease", "lease_expires_at"),
         Index("ix_sandboxes_pool", "pool_key", "state"),
         Index("ix_sandboxes_requested_at", "requested_at"),
+        Index("ix_sandboxes_creating_at", "creating_at"),  # each job's share of the rate
         Index("ix_sandboxes_tenant_state", "tenant", "state"),
         Index("ix_sandboxes_tenant_requested", "tenant", "requested_at"),
     )

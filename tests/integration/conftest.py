@@ -28,6 +28,19 @@ REPO = Path(__file__).resolve().parents[2]
 ALL_QUEUES = f"{Queue.ACQUIRE},{Queue.RELEASE},{Queue.POOL}"  # one worker serves them all
 
 
+@contextlib.contextmanager
+def flushed_db(redis_url: str, db: int) -> Iterator[str]:
+    """The URL of Redis database ``db``, empty before and after the caller's use."""
+    url = redis_url.rsplit("/", 1)[0] + f"/{db}"
+    client = redis.Redis.from_url(url)
+    client.flushdb()
+    try:
+        yield url
+    finally:
+        client.flushdb()
+        client.close()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def local_images() -> None:
     """The project's task images in the local store (the local backend runs nothing else);

@@ -10,7 +10,7 @@ from typing import Any
 
 from flask import Blueprint, jsonify, request
 
-from broker.acquire import quotas
+from broker.acquire import quotas, weights
 from broker.errors import InvalidRequest, TenantExists
 from broker.ownership import leaks as leakops
 from web import listing, params, serialize, stats
@@ -140,6 +140,9 @@ def _quota_call(fn: Any, *args: Any, status: int = 200) -> Any:
     unknown names are 404, bad values 400, and the answer is the tenant as it is now."""
     try:
         view = fn(root().sessions, *args, actor=actor())
+        redis = root().redis()
+        if redis is not None:  # the fair scheduler hears of a weight or tenant change now
+            weights.sync(root().sessions, redis)
     except LookupError as exc:  # UnknownTenant, UnknownJob
         return error(404, "not_found", str(exc))
     except TenantExists as exc:
@@ -166,6 +169,14 @@ def tenant_create() -> Any:
 @bp.route("/tenants/<name>", methods=["POST"])
 def tenant_set(name: str) -> Any:
     return _quota_call(quotas.update, name, _body())
+
+
+@bp.route("/jobs/<job>/weight", methods=["POST"])
+def job_weight(job: str) -> Any:
+    body = _body()
+    if set(body) != {"weight"}:
+        return error(400, "bad_request", 'the body is {"weight": <number>}')
+    return _quota_call(weights.set_job_weight, job, body["weight"])
 
 
 @bp.route("/jobs/<job>/tenant", methods=["POST"])

@@ -51,6 +51,7 @@ class JobRow:
             "egress": j.egress,
             "reuse": j.reuse,
             "max_reuses": j.max_reuses,
+            "weight": j.weight,
             "live": self.live,
             "live_total": self.live_total,
             "pools": [

@@ -14,6 +14,7 @@ from sqlalchemy import select
 
 from broker.cli.main import main
 from broker.ledger.models import Event, Job
+from tests.support.audit import weight_changes
 
 pytestmark = pytest.mark.integration
 
@@ -51,6 +52,18 @@ def test_tenant_commands_change_audit_and_list(
     code, out = _cli("tenant", "ls")
     assert code == 0 and any(line.split()[:2] == [name, "0/-"] for line in out.splitlines()), out
 
+    # fair-share weights: the tenant's and the job's, validated and audited
+    code, out = _cli("tenant", "set", name, "--weight", "3")
+    assert code == 0 and json.loads(out)["weight"] == 3.0, out
+    code, out = _cli("job", "create", job, "--weight", "2.5")
+    assert code == 0 and json.loads(out.splitlines()[-1])["weight"] == 2.5, out
+    for bad in (("tenant", "set", name, "--weight", "0"), ("job", "create", job, "--weight", "-1")):
+        assert _cli(*bad)[0] != 0, bad
+    assert weight_changes(sessions, name, job) == [
+        ("tenant-set", 1.0, 3.0),
+        ("job-weight", 1.0, 2.5),
+    ]
+
     code, out = _cli("job", "create", job, "--tenant", "none")
     assert code == 0, out
     with sessions() as session:
@@ -69,5 +82,6 @@ def test_tenant_commands_change_audit_and_list(
         ("tenant-create", who, None),
         ("tenant-set", who, None),
         ("job-tenant", who, job),
+        ("tenant-set", who, None),  # the weight
         ("job-tenant", who, job),
     ]

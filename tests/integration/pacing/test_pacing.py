@@ -16,6 +16,7 @@ import pytest
 import redis
 
 from broker.pacing import Limits, Pacer
+from tests.integration.conftest import flushed_db
 from tests.support.clocks import RecordingClock
 
 pytestmark = pytest.mark.integration
@@ -23,12 +24,8 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture
 def pace_redis(redis_url: str):  # type: ignore[no-untyped-def]
-    url = redis_url.rsplit("/", 1)[0] + "/12"
-    client = redis.Redis.from_url(url)
-    client.flushdb()
-    yield url
-    client.flushdb()
-    client.close()
+    with flushed_db(redis_url, 12) as url:
+        yield url
 
 
 def _taker(url: str, limits: Limits, duration: float, out: mp.Queue) -> None:  # type: ignore[type-arg]

@@ -22,6 +22,7 @@ import httpx
 import pytest
 import redis as redis_lib
 
+from broker.acquire import weights
 from broker.acquire.service import Broker
 from broker.backends.base import PodSpec
 from broker.backends.local import LocalBackend
@@ -155,6 +156,7 @@ def test_operator_flow_in_a_real_browser(stack, browser):
     job = f"e2e-{secrets.token_hex(3)}"
     with stack["sessions"].begin() as s:
         store.ensure_job(s, job, readiness_budget_s=30.0, lease_s=600.0)
+    weights.set_job_weight(stack["sessions"], job, 2.5, actor="admin:e2e")
     base = stack["base"]
     page = browser.new_page(viewport={"width": 1440, "height": 900})
     page.set_default_timeout(15_000)
@@ -195,6 +197,12 @@ def test_operator_flow_in_a_real_browser(stack, browser):
     assert pulls.count() == 1
     starts = int(pulls.locator("td").nth(1).inner_text())
     assert starts >= 3, pulls.inner_text()
+    # each job's share of the create rate in the last minute, with its weight
+    # (listed for its weight even if the run was slow and its creates left the minute)
+    share = page.locator(f"#fair-shares tr:has-text('{job}')")
+    assert share.count() == 1
+    cells = [share.locator("td").nth(i).inner_text() for i in range(6)]
+    assert cells[2] == "2.5" and int(cells[4]) >= 0 and cells[5].endswith("%"), cells
     shot(page, "02-overview")
 
     # a planted leak shows up live on the leaks page after a GC pass

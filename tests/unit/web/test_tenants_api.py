@@ -10,6 +10,7 @@ import pytest
 from sqlalchemy import select
 
 from broker.ledger.models import Event, Job
+from tests.support.audit import weight_changes
 from tests.support.web_app import csrf_of
 from tests.unit.web.test_api import check
 
@@ -106,3 +107,29 @@ def test_bad_unknown_and_viewer_requests_are_refused_and_change_nothing(
     assert _post(viewer, f"/api/tenants/{name}", {"max_live": 1}).status_code == 403
     (mine,) = [t for t in admin.get("/api/tenants").json["tenants"] if t["name"] == name]
     assert (mine["max_live"], mine["creates_per_minute"], mine["jobs"]) == (None, None, [])
+
+
+def test_weights_change_at_run_time_and_are_audited(
+    admin: Any, viewer: Any, job: str, sessions: Any
+) -> None:
+    spec = admin.get("/api/openapi.json").json
+    name = f"team-{secrets.token_hex(3)}"
+    made = _post(admin, "/api/tenants", {"name": name, "weight": 2})
+    assert made.status_code == 201 and made.json["weight"] == 2.0, made.json
+    assert _post(admin, f"/api/jobs/{job}/tenant", {"tenant": name}).status_code == 200
+    changed = _post(admin, f"/api/tenants/{name}", {"weight": 3})
+    check(spec, "/api/tenants/{name}", "200", changed.json)
+    weighted = _post(admin, f"/api/jobs/{job}/weight", {"weight": 1.5})
+    assert weighted.status_code == 200, weighted.json
+    check(spec, "/api/jobs/{job}/weight", "200", weighted.json)
+    for body in ({"weight": 0}, {"weight": "2"}, {"weight": 1001}, {}, {"weight": 1, "x": 1}):
+        bad = _post(admin, f"/api/jobs/{job}/weight", body)
+        assert bad.status_code == 400, (body, bad.json)
+    assert _post(admin, "/api/jobs/no-such-job/weight", {"weight": 2}).status_code == 404
+    assert _post(viewer, f"/api/jobs/{job}/weight", {"weight": 9}).status_code == 403
+    (row,) = [j for j in admin.get("/api/jobs").json["jobs"] if j["name"] == job]
+    assert row["weight"] == 1.5
+    assert weight_changes(sessions, name, job) == [
+        ("tenant-set", 2.0, 3.0),
+        ("job-weight", 1.0, 1.5),
+    ]

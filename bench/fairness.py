@@ -1,0 +1,299 @@
+"""Fair share of the create rate (issue 19, item 2): a bursting job against a steady one,
+and two jobs of weights 1 and 3, through the whole stack.
+
+    flock /work/bench.lock env SANDMAN_STATE_DIR=/some/own/dir \\
+        .venv/bin/python bench/fairness.py [--rate 4] [--burst-size 10000] [--b-seconds 40]
+
+One run, three phases on one stack (``sandman up``'s workers, the local backend: real
+bubblewrap sandboxes, paced at ``--rate`` creates/s):
+
+1. **B alone** (after one warm-up acquire): job B asks for one sandbox per second (each
+   ask in its own thread, so a slow one does not delay the next), ``--alone-seconds``
+   long. This is the baseline.
+2. **B while A bursts**: job A enqueues ``--burst-size`` acquires at once (the trainer
+   client's batch), then B asks one per second again for ``--b-seconds``. A's sandboxes are
+   released as soon as they are handed out (a reaper reads the ledger), so the run stays
+   small; at the end every A request still queued is cancelled (the trainer gives up).
+3. **Weights 1 and 3**: jobs C (weight 1) and D (weight 3) enqueue ``--weighted`` each;
+   the share of each in the first ``--count`` creates (ledger order, ``creating_at``) while
+   both are backlogged, against the 25% / 75% target; the rest is cancelled.
+
+Prints B's acquire latency (client-measured, queue-inclusive) p50/p90/p99 alone and with
+A bursting, their ratio, where B's time went (ledger: fair queue and gate, pacer, create),
+A's creates during phase 2, and the weighted shares; saves bench/out/fairness.json.
+A benchmark, not a test: nothing here asserts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import save, stop_services, summary
+
+IMAGE = "localhost/sandman-task-base:v1"
+SHAPE: dict[str, Any] = {"image": IMAGE, "cpu": "100m", "memory": "64Mi"}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rate", type=float, default=4.0)
+    parser.add_argument("--burst", type=int, default=4)
+    parser.add_argument("--burst-size", type=int, default=10_000)
+    parser.add_argument("--alone-seconds", type=int, default=30)
+    parser.add_argument("--b-seconds", type=int, default=40)
+    parser.add_argument("--weighted", type=int, default=400, help="acquires per weighted job")
+    parser.add_argument("--count", type=int, default=200, help="creates counted for shares")
+    args = parser.parse_args()
+    os.environ["SANDMAN_CREATE_RATE"] = str(args.rate)
+    os.environ["SANDMAN_CREATE_BURST"] = str(args.burst)
+    os.environ.setdefault("SANDMAN_LOG_LEVEL", "WARNING")
+
+    from broker.acquire import weights
+    from broker.client import core
+    from broker.client.sync import SandboxClient
+    from broker.ledger import store
+    from broker.ledger.db import make_engine, make_session_factory
+    from broker.local.stack import Stack, running_stack
+    from broker.settings import Settings
+
+    settings = Settings.from_env()
+    if running_stack(settings):
+        print("a `sandman up` is running on this state dir; stop it first", file=sys.stderr)
+        return 2
+    stack = Stack(settings)
+    print("starting the stack ...", flush=True)
+    stack.start(web=False, echo=False)
+    sessions = make_session_factory(make_engine(stack.database_url))
+    client = SandboxClient(stack.redis_url, owner="bench-fairness", heartbeat_s=3600)
+    tag = secrets.token_hex(2)
+    a, b, c, d = (f"fair-{x}-{tag}" for x in "abcd")
+    with sessions.begin() as session:
+        for job in (a, b, c, d):
+            store.ensure_job(session, job, lease_s=3600.0)
+    weights.set_job_weight(sessions, d, 3, actor="bench", redis=client.redis)
+    reaper = Reaper(sessions, client, {a, c, d})
+    reaper.start()
+    doc: dict[str, Any] = {"rate": args.rate, "burst": args.burst, "backend": settings.backend}
+    try:
+        client.open(job=b, timeout=600, **SHAPE).release()  # warm-up: image unpacked, etc.
+        print(f"phase 1: B alone, 1 ask/s for {args.alone_seconds} s", flush=True)
+        t_alone = time.time()
+        alone = steady(client, b, args.alone_seconds)
+        t_burst = time.time()
+        print(f"phase 2: A enqueues {args.burst_size}, B asks 1/s for {args.b_seconds} s")
+        burst = core.group_requests(args.burst_size, client.owner, job=a, timeout=3600, **SHAPE)
+        t0 = time.perf_counter()
+        client.enqueuer.send_all(core.acquire_message(r) for r in burst)
+        enqueue_s = time.perf_counter() - t0
+        a_before = creates_of(sessions, a)
+        contended = steady(client, b, args.b_seconds)
+        a_during = creates_of(sessions, a) - a_before
+        parts_alone = breakdown(sessions, b, t_alone, t_burst)
+        parts_burst = breakdown(sessions, b, t_burst, time.time())
+        cancel(client, burst)
+        wait_drained(client)
+        print(f"phase 3: weights 1 and 3, {args.weighted} acquires each")
+        mixed = [
+            *core.group_requests(args.weighted, client.owner, job=c, timeout=3600, **SHAPE),
+            *core.group_requests(args.weighted, client.owner, job=d, timeout=3600, **SHAPE),
+        ]
+        client.enqueuer.send_all(core.acquire_message(r) for r in mixed)
+        order = first_creates(sessions, {c, d}, args.count)
+        cancel(client, mixed)
+        wait_drained(client)
+        share_c, share_d = order.count(c) / len(order), order.count(d) / len(order)
+        prefix_err = max(abs(order[:k].count(d) / k - 0.75) for k in range(40, len(order) + 1, 20))
+        doc.update(
+            b_alone=summary(alone),
+            b_with_a_burst=summary(contended),
+            p50_ratio=summary(contended)["p50"] / summary(alone)["p50"],
+            p99_ratio=summary(contended)["p99"] / summary(alone)["p99"],
+            a_burst=args.burst_size,
+            a_enqueue_s=enqueue_s,
+            a_creates_during=a_during,
+            b_creates_during=len(contended),
+            weighted={"count": len(order), "share_w1": share_c, "share_w3": share_d},
+            weighted_worst_prefix_error=prefix_err,
+            b_parts_alone=parts_alone,
+            b_parts_with_a_burst=parts_burst,
+        )
+        print()
+        for name, series in (("B alone", alone), ("B, A bursting", contended)):
+            s = summary(series)
+            print(
+                f"{name:16} acquire p50 {s['p50']:.3f}s  p90 {s['p90']:.3f}s  "
+                f"p99 {s['p99']:.3f}s  (n={s['n']})"
+            )
+        for name, parts in (("B alone", parts_alone), ("B, A bursting", parts_burst)):
+            print(
+                f"{name:16} "
+                + "  ".join(
+                    f"{k} p50 {v['p50']:.3f}s p99 {v['p99']:.3f}s" for k, v in parts.items()
+                )
+            )
+        ratios = f"p50 {doc['p50_ratio']:.2f}x  p99 {doc['p99_ratio']:.2f}x"
+        print(f"ratio (A bursting / alone): {ratios}")
+        print(
+            f"A: {args.burst_size} enqueued in {enqueue_s:.2f}s; "
+            f"{a_during} of its creates during B's {args.b_seconds} s (B: {len(contended)})"
+        )
+        print(
+            f"weights 1 and 3: shares {share_c:.1%} / {share_d:.1%} of the first {len(order)} "
+            f"creates (target 25% / 75%); worst prefix (40+) off by {prefix_err:.1%}"
+        )
+        save("fairness", doc)
+    finally:
+        reaper.stop()
+        client.close()
+        stack.stop(echo=lambda _: None)
+        stop_services(settings)  # the stack leaves the embedded services running
+    return 0
+
+
+def steady(client: Any, job: str, seconds: int) -> list[float]:
+    """One acquire per second for ``seconds``, each in its own thread; their latencies."""
+    out: list[float] = []
+    lock = threading.Lock()
+
+    def ask() -> None:
+        sandbox = client.open(job=job, timeout=600, **SHAPE)
+        with lock:
+            out.append(sandbox.acquire_s)
+        sandbox.release()
+
+    threads = []
+    start = time.monotonic()
+    for i in range(seconds):
+        time.sleep(max(0.0, start + i - time.monotonic()))
+        thread = threading.Thread(target=ask, daemon=True)
+        thread.start()
+        threads.append(thread)
+    for thread in threads:
+        thread.join(timeout=900)
+    return out
+
+
+def breakdown(sessions: Any, job: str, since: float, until: float) -> dict[str, Any]:
+    """Where B's acquires spent their time, from the ledger: enqueue -> admitted (the fair
+    queue and the gate), admitted -> creating (the pacer's token), creating -> ready."""
+    import datetime as dt
+
+    from sqlalchemy import select
+
+    from broker.ledger.models import Sandbox
+
+    lo, hi = (dt.datetime.fromtimestamp(t, dt.UTC) for t in (since, until))
+    with sessions() as session:
+        rows = session.execute(
+            select(Sandbox.enqueued_at, Sandbox.requested_at, Sandbox.creating_at, Sandbox.ready_at)
+            .where(Sandbox.job == job, Sandbox.enqueued_at >= lo, Sandbox.enqueued_at < hi)
+            .where(Sandbox.ready_at.is_not(None))
+        ).all()
+    parts = {
+        "queue": [(r.requested_at - r.enqueued_at).total_seconds() for r in rows],
+        "pacer": [(r.creating_at - r.requested_at).total_seconds() for r in rows],
+        "create": [(r.ready_at - r.creating_at).total_seconds() for r in rows],
+    }
+    return {name: summary(values) for name, values in parts.items()}
+
+
+def creates_of(sessions: Any, job: str) -> int:
+    from sqlalchemy import func, select
+
+    from broker.ledger.models import Sandbox
+
+    with sessions() as session:
+        return int(
+            session.scalar(
+                select(func.count())
+                .select_from(Sandbox)
+                .where(Sandbox.job == job, Sandbox.creating_at.is_not(None))
+            )
+            or 0
+        )
+
+
+def first_creates(sessions: Any, jobs: set[str], count: int) -> list[str]:
+    """The jobs of the first ``count`` creates among ``jobs``, in create order (waits)."""
+    from sqlalchemy import select
+
+    from broker.ledger.models import Sandbox
+
+    while True:
+        with sessions() as session:
+            rows = session.execute(
+                select(Sandbox.job)
+                .where(Sandbox.job.in_(jobs), Sandbox.creating_at.is_not(None))
+                .order_by(Sandbox.creating_at, Sandbox.id)
+                .limit(count)
+            ).all()
+        if len(rows) >= count:
+            return [job for (job,) in rows]
+        time.sleep(1.0)
+
+
+def cancel(client: Any, requests: list[dict[str, Any]]) -> None:
+    """What trainers that stop waiting do: set each request's cancel flag (pipelined)."""
+    from broker.wire import mailbox
+
+    script = client.redis.register_script(mailbox.CANCEL_LUA)
+    pipe = client.redis.pipeline(transaction=False)
+    for request in requests:
+        keys, args = mailbox.cancel_call(request["request_id"])
+        script(keys=keys, args=args, client=pipe)
+    pipe.execute()
+
+
+def wait_drained(client: Any) -> None:
+    """Until no acquire is queued or served (cancelled ones are dropped by the pops)."""
+    from broker.acquire.fairshare import PROC
+    from broker.wire import fairq
+
+    while client.redis.hlen(fairq.BODIES) or client.redis.zcard(PROC):
+        time.sleep(0.5)
+
+
+class Reaper(threading.Thread):
+    """Releases the sandboxes of the bursting jobs as soon as they are handed out."""
+
+    def __init__(self, sessions: Any, client: Any, jobs: set[str]) -> None:
+        super().__init__(name="reaper", daemon=True)
+        self.sessions, self.client, self.jobs = sessions, client, jobs
+        self.stopped = threading.Event()
+        self.released: set[str] = set()
+
+    def run(self) -> None:
+        from sqlalchemy import select
+
+        from broker.client import core
+        from broker.ledger.models import Sandbox
+        from broker.ledger.states import State
+
+        while not self.stopped.wait(0.5):
+            with self.sessions() as session:
+                ids = session.scalars(
+                    select(Sandbox.id).where(
+                        Sandbox.job.in_(self.jobs), Sandbox.state == State.READY
+                    )
+                ).all()
+            fresh = [sid for sid in ids if sid not in self.released]
+            if fresh:
+                self.client.enqueuer.send_all(core.release_message(sid) for sid in fresh)
+                self.released.update(fresh)
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.join(timeout=10)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
