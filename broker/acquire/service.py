@@ -23,13 +23,14 @@ import threading
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy.orm import Session, sessionmaker
 
 from broker import failpoints
 from broker.acquire.cancel import CancelWatcher
-from broker.backends.base import Backend
+from broker.backends.base import INBOX, Backend, BlobInbox
 from broker.errors import (
     AcquireTimeout,
     AtCapacity,
@@ -155,8 +156,15 @@ class Broker:
                 installation=self.settings.installation_id,
                 default_ttl_s=self.settings.snapshot_ttl_s,
                 failpoint=failpoints.armed(self.settings.failpoint),
+                inbox_for=self._inbox,
             )
         return self._snapshots
+
+    def _inbox(self, row: Sandbox) -> tuple[Path, str] | None:
+        """The sandbox's blob inbox, when its backend has one (the local backend)."""
+        backend = self.provider.backend
+        host = backend.blob_inbox(row.pod_name) if isinstance(backend, BlobInbox) else None
+        return None if host is None else (host, INBOX)
 
     # -- acquire ----------------------------------------------------------------------
 

@@ -26,7 +26,11 @@ from __future__ import annotations
 import datetime as dt
 import json
 import logging
+import os
+import secrets
+import shutil
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -44,7 +48,7 @@ from broker.errors import (
 )
 from broker.ledger.models import Job, Sandbox, Snapshot, utcnow
 from broker.ledger.states import State
-from broker.snapshots.store import BlobStore, manifest_blobs
+from broker.snapshots.store import BlobStore, LocalBlobs, manifest_blobs
 from broker.wire.execd import Call, Endpoint, decode, shared_http, transport_failure
 
 log = logging.getLogger(__name__)
@@ -55,6 +59,8 @@ CALL_S = 600.0  # a listing or a verify of a large tree hashes everything once
 HELD = (State.READY,)  # handed out or warm: a live sandbox whose execd answers
 CORRUPT_CODES = frozenset({"blob_mismatch", "restore_mismatch"})
 MAX_TTL_S = 90 * 86400.0
+# A sandbox's inbox: its host directory and where the sandbox sees it (read-only).
+Inbox = tuple[Path, str]
 
 
 def summary(row: Snapshot) -> dict[str, Any]:
@@ -92,6 +98,7 @@ class SnapshotService:
         default_ttl_s: float = 86400.0,
         failpoint: Callable[[str], None] = failpoints.off,
         http: httpx.Client | None = None,
+        inbox_for: Callable[[Sandbox], Inbox | None] = lambda row: None,
     ) -> None:
         self.sessions = sessions
         self.store = store
@@ -100,6 +107,7 @@ class SnapshotService:
         self.default_ttl_s = default_ttl_s
         self.failpoint = failpoint
         self.http = http or shared_http()
+        self.inbox_for = inbox_for
 
     # -- execd -------------------------------------------------------------------------
 
@@ -170,6 +178,37 @@ class SnapshotService:
             if exc.error_code in CORRUPT_CODES:
                 raise SnapshotCorrupt(str(exc)) from exc
             raise
+
+    def _copy_local(
+        self, row: Sandbox, ep: Endpoint, need: list[dict[str, Any]], modes: dict[str, int]
+    ) -> bool:
+        """The files a restore needs, without streaming them: when the store's blobs are
+        files on this host and the backend gives the sandbox an inbox on the same disk,
+        hard-link the needed blobs (and only those) into a fresh directory of it, and
+        execd copies and verifies them from there. False when that is not possible (an
+        S3 store, Kubernetes, another filesystem): the caller streams instead."""
+        inbox = self.inbox_for(row)
+        if inbox is None or not isinstance(self.store, LocalBlobs):
+            return False
+        host, inside = inbox
+        drop = host / secrets.token_hex(8)
+        try:
+            drop.mkdir()
+            for sha in {e["d"] for e in need}:
+                os.link(self.store.local_path(sha), drop / sha)
+        except OSError as exc:
+            log.info("restore into %s streams its blobs: %s", row.id, exc)
+            shutil.rmtree(drop, ignore_errors=True)
+            return False
+        except BaseException:
+            shutil.rmtree(drop, ignore_errors=True)
+            raise
+        files = [{"p": e["p"], "s": int(e["s"]), "d": e["d"], "m": modes[e["p"]]} for e in need]
+        try:
+            self._call(ep, "/v1/snapshot/copy", {"dir": f"{inside}/{drop.name}", "files": files})
+        finally:
+            shutil.rmtree(drop, ignore_errors=True)
+        return True
 
     # -- capture -----------------------------------------------------------------------
 
@@ -301,7 +340,9 @@ class SnapshotService:
         need = self._call(ep, "/v1/snapshot/prepare", listing)["need"]
         self.failpoint("restore-after-prepare")
         if need:
-            self._push(ep, need, {e["p"]: int(e["m"]) for e in manifest["entries"]})
+            modes = {e["p"]: int(e["m"]) for e in manifest["entries"]}
+            if not self._copy_local(row, ep, need, modes):
+                self._push(ep, need, modes)
         self._call(ep, "/v1/snapshot/finish", {**listing, "session": manifest["session"]})
         return {"snapshot": snap, "written": len(need)}
 
