@@ -13,9 +13,12 @@ Per trial, each from the call to 8 ready sandboxes holding that state:
   warm + diff         8 warm acquires, each re-applying the 1 MB diff by hand (write_file):
                       NOT the generated files, so it is the cheaper, not the equal, state
 
-Also: the snapshot alone, restore throughput (MB/s of files a fork received) and store
-bytes per fork after deduplication (the store's growth per trial / 8; trials regenerate
-the same seeded content, so from the second trial on a snapshot adds nothing).
+Also: the snapshot alone and its throughput (MB listed / its time: from the second trial
+on its blobs are stored already, so that is listing and hashing), restore throughput
+(MB written into all 8 forks / the fork's time after its snapshot, acquires included),
+store bytes per fork after deduplication (the store's growth per trial / 8; trials
+regenerate the same seeded content, so from the second trial on a snapshot adds only its
+manifest), and the ratio of fork(8) to each baseline measured in the same run.
 Runs its own stack in SANDMAN_STATE_DIR (embedded services, real Celery workers,
 bubblewrap sandboxes). One run; a benchmark, not a test: nothing here asserts.
 """
@@ -157,6 +160,7 @@ def main() -> int:
     }  # fmt: skip
     stored_per_fork: list[float] = []
     restore_mbps: list[float] = []
+    snapshot_mbps: list[float] = []
     failures = 0
     try:
         for trial in range(args.trials):
@@ -177,6 +181,7 @@ def main() -> int:
             results["snapshot"].append(t_snap)
             stored_per_fork.append((dir_bytes(store_dir) - before) / N)
             restore_mbps.append(snap.size * N / (t_fork - t_snap) / 1e6)
+            snapshot_mbps.append(snap.size / t_snap / 1e6)
             print(
                 f"trial {trial}: fork(8) {t_fork:.2f}s (snapshot {t_snap:.2f}s, "
                 f"{snap.size / 1e6:.1f} MB listed, {snap.stored / 1e6:.1f} MB new), "
@@ -231,14 +236,21 @@ def main() -> int:
             "failed_forks": failures,
             **{name: summary(values) for name, values in results.items()},
             "restore_mb_per_s": summary(restore_mbps),
+            "snapshot_mb_per_s": summary(snapshot_mbps),
             "store_bytes_per_fork": stored_per_fork,
         }
+        for base in ("cold_plus_commands", "warm_plus_diff"):
+            doc[f"fork8_over_{base}"] = doc["fork8"]["p50"] / doc[base]["p50"]
         print()
         for name in results:
             s = doc[name]
             print(f"{name:20} p50 {s['p50']:.2f}s  p90 {s['p90']:.2f}s  (n={s['n']})")
-        print(f"restore throughput   p50 {doc['restore_mb_per_s']['p50']:.0f} MB/s")
+        for name in ("snapshot", "restore"):
+            s = doc[f"{name}_mb_per_s"]
+            print(f"{name + ' throughput':20} p50 {s['p50']:.0f} MB/s  p90 {s['p90']:.0f} MB/s")
         print(f"store bytes per fork {[round(b) for b in stored_per_fork]}")
+        for base in ("cold_plus_commands", "warm_plus_diff"):
+            print(f"fork8 p50 / {base} p50 = {doc[f'fork8_over_{base}']:.2f}")
         save("fork", doc)
     finally:
         client.close()

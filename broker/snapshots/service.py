@@ -29,6 +29,7 @@ import logging
 import os
 import secrets
 import shutil
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -337,13 +338,23 @@ class SnapshotService:
         if manifest is None:
             raise SnapshotCorrupt(f"snapshot {snapshot_id} has no manifest in the store")
         listing = {"roots": manifest["roots"], "entries": manifest["entries"]}
+        t0 = time.perf_counter()
         need = self._call(ep, "/v1/snapshot/prepare", listing)["need"]
         self.failpoint("restore-after-prepare")
+        t1, how = time.perf_counter(), "nothing"
         if need:
             modes = {e["p"]: int(e["m"]) for e in manifest["entries"]}
+            how = "copied"
             if not self._copy_local(row, ep, need, modes):
                 self._push(ep, need, modes)
+                how = "streamed"
+        t2 = time.perf_counter()
         self._call(ep, "/v1/snapshot/finish", {**listing, "session": manifest["session"]})
+        log.info(
+            "restore %s into %s: prepare %.3fs, %d files (%d bytes) %s in %.3fs, finish %.3fs",
+            snapshot_id, sandbox_id, t1 - t0, len(need), sum(int(e["s"]) for e in need), how,
+            t2 - t1, time.perf_counter() - t2,
+        )  # fmt: skip
         return {"snapshot": snap, "written": len(need)}
 
     # -- ownership ---------------------------------------------------------------------
