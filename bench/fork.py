@@ -2,6 +2,7 @@
 ways a trainer gets 8 such sandboxes without snapshots (issue #17).
 
     SANDMAN_STATE_DIR=/some/own/dir .venv/bin/python bench/fork.py [--trials 5] [--mb 50]
+        [--stream]   # restores stream their blobs over HTTP (SANDMAN_SNAPSHOT_LOCAL_COPY=0)
 
 The source: a warm sandbox of the SWE task image (its git repository at /repo), where the
 "agent" generates ``--mb`` MB of files into the repository (seeded, incompressible) and
@@ -19,6 +20,12 @@ on its blobs are stored already, so that is listing and hashing), restore throug
 store bytes per fork after deduplication (the store's growth per trial / 8; trials
 regenerate the same seeded content, so from the second trial on a snapshot adds only its
 manifest), and the ratio of fork(8) to each baseline measured in the same run.
+
+The floor of a restore, measured in the same trial on the same bytes: 8 processes, each
+reading every blob of the snapshot from the store and writing it to a file of its own,
+``copy+sha256`` hashing as it goes (the data work a verified restore cannot skip) and
+``copy`` without the hash (``shutil.copyfile``: in-kernel). A restore that "costs little
+more than the bytes it writes" is one whose fork time after the snapshot is close to it.
 Runs its own stack in SANDMAN_STATE_DIR (embedded services, real Celery workers,
 bubblewrap sandboxes). One run; a benchmark, not a test: nothing here asserts.
 """
@@ -26,11 +33,16 @@ bubblewrap sandboxes). One run; a benchmark, not a test: nothing here asserts.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import secrets
+import shutil
 import sys
+import tempfile
 import threading
 import time
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +80,34 @@ def diff_files() -> dict[str, bytes]:
     }
 
 
+def copy_blobs(blobs: list[str], into: str, verify: bool) -> float:
+    """One fork's worth of data work on its own: every blob copied into a fresh directory
+    (hashed on the way when ``verify``); the seconds it took."""
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(dir=into) as out:
+        buf = bytearray(1 << 20)
+        view = memoryview(buf)
+        for i, blob in enumerate(blobs):
+            dest = os.path.join(out, str(i))
+            if not verify:
+                shutil.copyfile(blob, dest)
+                continue
+            digest = hashlib.sha256()
+            with open(blob, "rb", buffering=0) as src, open(dest, "wb", buffering=0) as dst:
+                while n := src.readinto(buf):
+                    digest.update(view[:n])
+                    dst.write(view[:n])
+            assert digest.hexdigest() == os.path.basename(blob)
+        return time.perf_counter() - t0
+
+
+def copy_floor(pool: ProcessPoolExecutor, blobs: list[str], into: Path, verify: bool) -> float:
+    """N forks' data work in N processes at once: the wall time of all of them."""
+    t0 = time.perf_counter()
+    list(pool.map(copy_blobs, [blobs] * N, [str(into)] * N, [verify] * N))
+    return time.perf_counter() - t0
+
+
 def dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
@@ -76,7 +116,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--trials", type=int, default=5)
     parser.add_argument("--mb", type=int, default=50)
+    parser.add_argument("--stream", action="store_true", help="restores stream over HTTP")
     args = parser.parse_args()
+    if args.stream:
+        os.environ["SANDMAN_SNAPSHOT_LOCAL_COPY"] = "0"
     os.environ.setdefault("SANDMAN_CREATE_RATE", "1000")
     os.environ.setdefault("SANDMAN_CREATE_BURST", "1000")
 
@@ -91,6 +134,7 @@ def main() -> int:
     from broker.names import Queue, Task
     from broker.pools.store import WarmStore, pool_key
     from broker.settings import Settings
+    from broker.snapshots.store import FsBlobStore, manifest_blobs
 
     settings = Settings.from_env()
     if running_stack(settings):
@@ -157,7 +201,12 @@ def main() -> int:
 
     results: dict[str, list[float]] = {
         "fork8": [], "snapshot": [], "cold_plus_commands": [], "warm_plus_diff": [],
+        "floor_copy_sha256": [], "floor_copy": [],
     }  # fmt: skip
+    copiers = ProcessPoolExecutor(N, mp_context=get_context("spawn"))
+    list(copiers.map(abs, range(N)))  # the processes are started before anything is timed
+    scratch = settings.state_dir / "bench-floor"
+    scratch.mkdir(exist_ok=True)
     stored_per_fork: list[float] = []
     restore_mbps: list[float] = []
     snapshot_mbps: list[float] = []
@@ -191,6 +240,12 @@ def main() -> int:
             for f in ok:
                 f.release()
             source.release()
+            # the floor: the same bytes copied N times with and without SHA-256
+            blobs_of = FsBlobStore(store_dir)
+            snap_blobs = sorted(manifest_blobs(blobs_of.manifest(snap.id) or {}))
+            listed = [str(blobs_of.local_path(sha)) for sha in snap_blobs]
+            results["floor_copy_sha256"].append(copy_floor(copiers, listed, scratch, True))
+            results["floor_copy"].append(copy_floor(copiers, listed, scratch, False))
             # 8 cold acquires, each re-running the agent's commands
             drained()
             t0 = time.perf_counter()
@@ -225,7 +280,9 @@ def main() -> int:
                 c.release()
             print(
                 f"trial {trial}: cold+commands {results['cold_plus_commands'][-1]:.2f}s, "
-                f"warm+diff {results['warm_plus_diff'][-1]:.2f}s",
+                f"warm+diff {results['warm_plus_diff'][-1]:.2f}s, floor copy+sha256 "
+                f"{results['floor_copy_sha256'][-1]:.2f}s, copy {results['floor_copy'][-1]:.2f}s, "
+                f"load {os.getloadavg()[0]:.0f}",
                 flush=True,
             )
         doc = {
@@ -233,13 +290,14 @@ def main() -> int:
             "generated_mb": args.mb,
             "diff_bytes": DIFF_FILES * DIFF_BYTES,
             "n": N,
+            "restores": "streamed" if args.stream else "local copy",
             "failed_forks": failures,
             **{name: summary(values) for name, values in results.items()},
             "restore_mb_per_s": summary(restore_mbps),
             "snapshot_mb_per_s": summary(snapshot_mbps),
             "store_bytes_per_fork": stored_per_fork,
         }
-        for base in ("cold_plus_commands", "warm_plus_diff"):
+        for base in ("cold_plus_commands", "warm_plus_diff", "floor_copy_sha256"):
             doc[f"fork8_over_{base}"] = doc["fork8"]["p50"] / doc[base]["p50"]
         print()
         for name in results:
@@ -249,10 +307,12 @@ def main() -> int:
             s = doc[f"{name}_mb_per_s"]
             print(f"{name + ' throughput':20} p50 {s['p50']:.0f} MB/s  p90 {s['p90']:.0f} MB/s")
         print(f"store bytes per fork {[round(b) for b in stored_per_fork]}")
-        for base in ("cold_plus_commands", "warm_plus_diff"):
+        for base in ("cold_plus_commands", "warm_plus_diff", "floor_copy_sha256"):
             print(f"fork8 p50 / {base} p50 = {doc[f'fork8_over_{base}']:.2f}")
         save("fork", doc)
     finally:
+        copiers.shutdown()
+        shutil.rmtree(scratch, ignore_errors=True)
         client.close()
         stack.stop(echo=lambda _: None)
         stop_services(settings)  # the stack leaves the embedded services running

@@ -71,6 +71,9 @@ class Settings:
     # and how long the GC spares a capture in progress and a blob no manifest names yet.
     snapshot_ttl_s: float = 86400.0
     snapshot_grace_s: float = 600.0
+    # Restores on the local backend copy their blobs from a read-only inbox on the same
+    # disk (broker/snapshots/service.py); off: they stream over HTTP as on Kubernetes.
+    snapshot_local_copy: bool = True
     execd_port: int = 8080
     web_host: str = "127.0.0.1"
     web_port: int = 8000

@@ -163,7 +163,9 @@ class Broker:
     def _inbox(self, row: Sandbox) -> tuple[Path, str] | None:
         """The sandbox's blob inbox, when its backend has one (the local backend)."""
         backend = self.provider.backend
-        host = backend.blob_inbox(row.pod_name) if isinstance(backend, BlobInbox) else None
+        if not self.settings.snapshot_local_copy or not isinstance(backend, BlobInbox):
+            return None
+        host = backend.blob_inbox(row.pod_name)
         return None if host is None else (host, INBOX)
 
     # -- acquire ----------------------------------------------------------------------
