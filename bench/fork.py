@@ -3,6 +3,8 @@ ways a trainer gets 8 such sandboxes without snapshots (issue #17).
 
     SANDMAN_STATE_DIR=/some/own/dir .venv/bin/python bench/fork.py [--trials 5] [--mb 50]
         [--stream]   # restores stream their blobs over HTTP (SANDMAN_SNAPSHOT_LOCAL_COPY=0)
+        [--backend kubernetes]   # pods on the local cluster's real node (its kubeconfig:
+                                 # SANDMAN_TEST_KUBECONFIG), in a namespace of its own
 
 The source: a warm sandbox of the SWE task image (its git repository at /repo), where the
 "agent" generates ``--mb`` MB of files into the repository (seeded, incompressible) and
@@ -48,10 +50,12 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import save, stop_services, summary
+from bench.common import kubeconfig_path, save, stop_services, summary
 
 IMAGE = "localhost/sandman-swe-task:v1"
 CPU_M, MEM = 250, 512 << 20
+KUBE_CPU_M = 100  # the cluster's real node has 2 CPUs to schedule 9 warm pods + 8 more
+REAL_NODE = {"sandman.io/node-kind": "real"}
 N = 8
 DIFF_FILES, DIFF_BYTES = 100, 10 * 1024
 
@@ -108,6 +112,32 @@ def copy_floor(pool: ProcessPoolExecutor, blobs: list[str], into: Path, verify: 
     return time.perf_counter() - t0
 
 
+def make_namespace(name: str) -> None:
+    """The bench's own namespace on the cluster, with its default ServiceAccount."""
+    from kubernetes import client as k8s
+
+    from broker.backends.kube.api import load_api_client
+
+    core = k8s.CoreV1Api(load_api_client(kubeconfig_path()))
+    core.create_namespace(k8s.V1Namespace(metadata=k8s.V1ObjectMeta(name=name)))
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            core.read_namespaced_service_account("default", name)
+            return
+        except k8s.ApiException:
+            time.sleep(0.5)
+    raise RuntimeError(f"namespace {name} has no default ServiceAccount after 60 s")
+
+
+def drop_namespace(name: str) -> None:
+    from kubernetes import client as k8s
+
+    from broker.backends.kube.api import load_api_client
+
+    k8s.CoreV1Api(load_api_client(kubeconfig_path())).delete_namespace(name, grace_period_seconds=0)
+
+
 def dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
@@ -117,7 +147,18 @@ def main() -> int:
     parser.add_argument("--trials", type=int, default=5)
     parser.add_argument("--mb", type=int, default=50)
     parser.add_argument("--stream", action="store_true", help="restores stream over HTTP")
+    parser.add_argument("--backend", choices=("local", "kubernetes"), default="local")
     args = parser.parse_args()
+    kube = args.backend == "kubernetes"
+    cpu_m = KUBE_CPU_M if kube else CPU_M
+    namespace = f"bench-fork-{secrets.token_hex(3)}"
+    if kube:
+        os.environ.update(
+            SANDMAN_BACKEND="kubernetes",
+            SANDMAN_KUBECONFIG=kubeconfig_path(),
+            SANDMAN_NAMESPACE=namespace,
+        )
+        make_namespace(namespace)
     if args.stream:
         os.environ["SANDMAN_SNAPSHOT_LOCAL_COPY"] = "0"
     os.environ.setdefault("SANDMAN_CREATE_RATE", "1000")
@@ -147,13 +188,16 @@ def main() -> int:
     client = SandboxClient(stack.redis_url, owner="bench-fork", heartbeat_s=3600)
     tag = secrets.token_hex(2)
     warm_job, cold_job = f"bench-fork-warm-{tag}", f"bench-fork-cold-{tag}"
-    pool = {"image": IMAGE, "cpu_m": CPU_M, "memory_b": MEM, "size": N + 1}
+    pool = {"image": IMAGE, "cpu_m": cpu_m, "memory_b": MEM, "size": N + 1}
+    placed: dict[str, Any] = (
+        {"node_selector": REAL_NODE, "readiness_budget_s": 180.0} if kube else {}
+    )
     with sessions.begin() as session:
-        store.ensure_job(session, warm_job, warm_pools=[{**pool, "idle_timeout_s": 3600}])
-        store.ensure_job(session, cold_job)
-    key = pool_key(IMAGE, None, None, CPU_M, MEM)
+        store.ensure_job(session, warm_job, warm_pools=[{**pool, "idle_timeout_s": 3600}], **placed)
+        store.ensure_job(session, cold_job, **placed)
+    key = pool_key(IMAGE, None, None, cpu_m, MEM)
     warm = WarmStore(client.redis)
-    spec: dict[str, Any] = {"image": IMAGE, "cpu": f"{CPU_M}m", "memory": MEM, "timeout": 300}
+    spec: dict[str, Any] = {"image": IMAGE, "cpu": f"{cpu_m}m", "memory": MEM, "timeout": 300}
     store_dir = settings.state_dir / "snapshots"
     diff = diff_files()
     commands = generate_command(args.mb)
@@ -290,7 +334,9 @@ def main() -> int:
             "generated_mb": args.mb,
             "diff_bytes": DIFF_FILES * DIFF_BYTES,
             "n": N,
-            "restores": "streamed" if args.stream else "local copy",
+            "backend": args.backend,
+            "cpu_m": cpu_m,
+            "restores": "streamed" if args.stream or kube else "local copy",
             "failed_forks": failures,
             **{name: summary(values) for name, values in results.items()},
             "restore_mb_per_s": summary(restore_mbps),
@@ -316,6 +362,8 @@ def main() -> int:
         client.close()
         stack.stop(echo=lambda _: None)
         stop_services(settings)  # the stack leaves the embedded services running
+        if kube:
+            drop_namespace(namespace)
     return 0
 
 
