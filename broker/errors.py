@@ -27,6 +27,8 @@ SandmanError                                                  retryable? (T/P)
 │   ├── QuotaExceeded                                         T  the job's tenant is over a quota: answered
 │   │                                                            at once, with retry_after_s
 │   ├── SandboxLost                                           P  the pod or execd went away mid-rollout
+│   │   └── SandboxReclaimed                                  P  idle past its job's idle_timeout_s:
+│   │                                                            reclaimed; acquire another
 │   ├── CreateFailed                                          P  the provider could not make a ready sandbox
 │   │   ├── ForeignPod                                        P  a pod with our name is not ours (nonce or
 │   │   │                                                        installation differ): left untouched
@@ -169,13 +171,14 @@ class AtCapacity(InfrastructureError, TemporaryError):
 
 
 class QuotaExceeded(InfrastructureError, TemporaryError):
-    """The job's tenant is over one of its quotas (``quota``: ``max_live`` or
-    ``creates_per_minute``); nothing was written and no pod exists.
+    """The job's tenant is over one of its quotas (``quota``: ``max_live``,
+    ``creates_per_minute`` or ``snapshot_bytes``); nothing was written and no pod exists.
 
     Unlike ``AtCapacity`` (a job's own cap, waited out in the queue), a tenant's quota is
     answered to the trainer at once: a team over its share should hear so, not queue.
     ``retry_after_s`` is when asking again can succeed: exact for the create rate (the
-    oldest create leaves the minute), a hint for the live quota (a release frees it)."""
+    oldest create leaves the minute) and for snapshot bytes (enough of the tenant's
+    snapshots expire), a hint for the live quota (a release frees it)."""
 
     code = "quota_exceeded"
     tenant: str | None = None
@@ -190,6 +193,18 @@ class SandboxLost(InfrastructureError, PermanentError):
     """The pod or its execd went away mid-rollout: the sample is lost, not failed."""
 
     code = "sandbox_lost"
+
+
+class SandboxReclaimed(SandboxLost):
+    """The broker reclaimed this held sandbox: no call and no running command for its
+    job's ``idle_timeout_s``. Every later call on it raises this (execd refuses it, and
+    once the pod is gone the client recognises the reclaim), never a silent hang.
+
+    A ``SandboxLost`` (so existing handlers mask the sample), with its own code: a trainer
+    that sees it should acquire another sandbox, and, if this was not expected, keep the
+    sandbox busy or raise the job's timeout (``sandman job create J --idle-timeout-s``)."""
+
+    code = "sandbox_reclaimed"
 
 
 class CreateFailed(InfrastructureError, PermanentError):

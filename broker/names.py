@@ -57,7 +57,7 @@ class LeakKind(StrEnum):
     LATE_POD = "late_pod"  # a pod that appeared after its row was deleted
     STUCK_CREATE = "stuck_create"  # a creating row past its lease
     ABANDONED = "abandoned"  # a lease that expired with no heartbeat
-    IDLE = "idle"  # a ready sandbox unused past the idle timeout
+    IDLE = "idle"  # a ready sandbox unused past the idle timeout (warm: the pool's)
     POD_LOST = "pod_lost"  # a live row whose pod is gone
     PENDING_DELETE = "pending_delete"  # a delete the GC finished
     # Written by earlier versions: kept so their rows can still be filtered.
@@ -69,6 +69,8 @@ class LeakKind(StrEnum):
 # schema allows is never refused (str.isalnum would also accept "é").
 TENANT_NAME_PATTERN = r"^[A-Za-z0-9.-]{1,63}$"
 TENANT_MAX_QUOTA = 10_000_000  # the largest quota value the API accepts (null: no limit)
+# ... except for a quota in bytes, where ten million would be ten megabytes: 1 PiB.
+TENANT_MAX_QUOTA_BYTES = 1 << 50
 
 # Pod labels: the GC trusts only pods whose installation label and nonce it wrote.
 LABEL_INSTALLATION = "sandman.io/installation"
@@ -103,6 +105,11 @@ POOL_UPKEEP_LOCK_PREFIX = "sandman:pool-upkeep:"  # one upkeep per job at a time
 RESULT_PREFIX = "sandman:result:"  # an acquire's outcome, popped by the waiting trainer
 CANCEL_PREFIX = "sandman:cancel:"  # set by a trainer that gave up on an acquire
 ACQUIRED_PREFIX = "sandman:acquired:"  # the outcome kept briefly for idempotent retries
+# Idle reclaim (broker/acquire/idle.py): each held sandbox of a job with an idle timeout,
+# scored by the earliest time it could be idle that long; and the ids reclaimed, kept a
+# day so the trainer's next call says SandboxReclaimed even after the pod is gone.
+IDLE_DEADLINES_KEY = "sandman:idle:deadlines"
+RECLAIMED_PREFIX = "sandman:reclaimed:"
 
 
 def result_key(request_id: str) -> str:
@@ -115,6 +122,10 @@ def cancel_key(request_id: str) -> str:
 
 def acquired_key(request_id: str) -> str:
     return ACQUIRED_PREFIX + request_id
+
+
+def reclaimed_key(sandbox_id: str) -> str:
+    return RECLAIMED_PREFIX + sandbox_id
 
 
 def warm_claimed_key(sandbox_id: str) -> str:

@@ -64,7 +64,12 @@ class Settings:
     # creating worker died and settles the row itself.
     create_lease_margin_s: float = 60.0
     lease_s: float = 300.0
+    # A warm pool's idle timeout when its entry names none (held sandboxes: the job's own
+    # ``idle_timeout_s``, off unless set).
     idle_timeout_s: float = 300.0
+    # How often each worker looks for held sandboxes whose idle deadline passed (one Redis
+    # call when none did; broker/acquire/idle.py); 0 turns idle reclaim off in that worker.
+    idle_sweep_s: float = 1.0
     gc_interval_s: float = 30.0
     max_reuses: int = 8
     # Snapshots (broker/snapshots): how long one lives unless the caller says otherwise,

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, Tuple, Union
 
 from . import __version__, errors, files, runreply, runspec, validate
+from .activity import Activity
 from .output import DEFAULT_MAX_OUTPUT
 from .run import Run, Runner
 from .runspec import MAX_TIMEOUT_S
@@ -45,6 +46,7 @@ class App:
     keepalive_s: float
     snapshots: Snapshots
     started: float = field(default_factory=time.time, init=False)
+    activity: Activity = field(default_factory=Activity, init=False)
 
     def __post_init__(self) -> None:
         self.routes: Dict[str, Tuple[str, Handler]] = {
@@ -61,6 +63,7 @@ class App:
             "/v1/files/edit": ("POST", self.edit),
             "/v1/reset": ("POST", self.reset),
             "/v1/heartbeat": ("POST", self.heartbeat),
+            "/v1/reclaim": ("POST", self.reclaim),
             "/v1/baseline": ("POST", self.baseline),
             "/v1/state-check": ("POST", self.state_check),
             "/v1/restore": ("POST", self.restore),
@@ -80,6 +83,20 @@ class App:
             raise errors.NotFound("no route %s" % req.path, "unknown_route")
         if req.method != route[0]:
             raise errors.MethodNotAllowed("%s takes %s, not %s" % (req.path, route[0], req.method))
+        if not self.activity.begin(req.path):
+            return self._serve(req, read_body, route[1])
+        try:
+            resp = self._serve(req, read_body, route[1])
+        except BaseException:
+            self.activity.end()
+            raise
+        if resp.length is None:  # a stream: the call runs until the stream is closed
+            resp.chunks = self.activity.wrap(resp.chunks)
+        else:
+            self.activity.end()
+        return resp
+
+    def _serve(self, req: Request, read_body: BodyReader, handler: Handler) -> Response:
         if req.path == SNAPSHOT_PUT:
             return Response(200, self.snapshots.put(req, req.stream))
         body = read_body(req, self.max_body)
@@ -91,7 +108,7 @@ class App:
         else:
             doc = validate.parse_json(body)
         del body
-        result = route[1](doc)
+        result = handler(doc)
         return result if isinstance(result, Response) else Response(200, result)
 
     def authorized(self, req: Request) -> bool:
@@ -129,6 +146,14 @@ class App:
 
     def heartbeat(self, _doc: Doc) -> Doc:
         return {"ok": True, "uptime_s": round(time.time() - self.started, 3)}
+
+    def reclaim(self, doc: Doc) -> Doc:
+        """The broker's idle check (execd/activity.py): reclaim now, or say how idle."""
+        if doc.get("idle_timeout_s") is None:
+            raise errors.BadRequest("missing field 'idle_timeout_s'", "missing_field")
+        timeout = validate.number(doc, "idle_timeout_s", 0.0, 0.0, 1e9)
+        held = validate.number(doc, "held_s", 1e18, -1.0, 1e18)
+        return self.activity.reclaim(timeout, held)
 
     def exec_(self, doc: Doc) -> Doc:
         command = validate.string(doc, "command", nul_ok=False)

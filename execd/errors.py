@@ -15,6 +15,7 @@ one of these first.
      +-- PayloadTooLarge 413  body over --max-body-bytes
      +-- Unprocessable   422  file is not UTF-8 text or cannot round-trip
      +-- TooManyRequests 429  the bound of concurrent runs or named sessions is reached
+     +-- Gone            410  the sandbox was reclaimed (idle): every call refused
      +-- Unavailable     503  no slot or no bash
 """
 
@@ -92,3 +93,11 @@ class TooManyRequests(ExecdError):
 
     status = 429
     code = "busy"
+
+
+class Gone(ExecdError):
+    """The broker reclaimed this sandbox (idle past its job's timeout): every call from
+    now on is refused, so a trainer learns at once instead of running on borrowed time."""
+
+    status = 410
+    code = "reclaimed"

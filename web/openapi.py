@@ -103,8 +103,9 @@ TENANT_NAME = names.TENANT_NAME_PATTERN
 TENANT = _obj(
     {
         "name": {"type": _S}, "max_live": _n(_I), "creates_per_minute": _n(_I),
-        "jobs": {"type": "array", "items": {"type": _S}}, "live": {"type": _I},
-        "creates_last_minute": {"type": _I},
+        "snapshot_bytes": _n(_I), "jobs": {"type": "array", "items": {"type": _S}},
+        "live": {"type": _I}, "creates_last_minute": {"type": _I},
+        "snapshot_bytes_held": {"type": _I},
     }
 )  # fmt: skip
 _QUOTA = {
@@ -113,6 +114,8 @@ _QUOTA = {
     "maximum": names.TENANT_MAX_QUOTA,
     "description": "null: no limit",
 }
+_QUOTA_BYTES = {**_QUOTA, "maximum": names.TENANT_MAX_QUOTA_BYTES}
+_QUOTAS = {"max_live": _QUOTA, "creates_per_minute": _QUOTA, "snapshot_bytes": _QUOTA_BYTES}
 POOL = _obj(
     {
         "key": _n(_S), "image": _n(_S), "size": _n(_I), "idle_timeout_s": _n(_F),
@@ -123,7 +126,7 @@ JOB = _obj(
     {
         "name": {"type": _S}, "tenant": _n(_S), "create_rate": _n(_F), "create_burst": _n(_I),
         "max_live": _n(_I), "max_concurrent_creates": _n(_I),
-        "readiness_budget_s": {"type": _F}, "idle_timeout_s": {"type": _F},
+        "readiness_budget_s": {"type": _F}, "idle_timeout_s": _n(_F),
         "lease_s": {"type": _F}, "egress": {"type": _S}, "reuse": {"type": _B},
         "max_reuses": {"type": _I}, "live": _COUNTS, "live_total": {"type": _I},
         "pools": {"type": "array", "items": _ref("Pool")},
@@ -303,8 +306,7 @@ def spec() -> dict[str, Any]:
                 _closed(
                     {
                         "name": {"type": _S, "pattern": TENANT_NAME},
-                        "max_live": _QUOTA,
-                        "creates_per_minute": _QUOTA,
+                        **_QUOTAS,
                     },
                     ["name"],
                 ),
@@ -317,7 +319,7 @@ def spec() -> dict[str, Any]:
             "post": _admin_post(
                 "Change a tenant's quotas: the keys given, null for no limit (admin; audited)",
                 {
-                    **_closed({"max_live": _QUOTA, "creates_per_minute": _QUOTA}, []),
+                    **_closed(_QUOTAS, []),
                     "minProperties": 1,
                 },
                 _json(_ref("Tenant")),

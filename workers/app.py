@@ -71,5 +71,5 @@ def celery_config(settings: Settings) -> dict[str, Any]:
     }
 
 
-app = Celery("sandman", include=["workers.tasks", "workers.leases"])
+app = Celery("sandman", include=["workers.tasks", "workers.leases", "workers.idle"])
 app.add_defaults(lambda: celery_config(Settings.from_env()))

@@ -19,12 +19,17 @@ from sqlalchemy.orm import Session, sessionmaker
 from broker import names
 from broker.errors import InvalidRequest, TenantExists, UnknownTenant
 from broker.ledger import store
-from broker.ledger.models import Job, Sandbox, Tenant, utcnow
+from broker.ledger.models import Job, Sandbox, Snapshot, Tenant, utcnow
 from broker.ledger.states import CAPPED_STATES
 from broker.ownership.provider import QUOTA_WINDOW
+from broker.snapshots.service import LIVE_STATES as LIVE_SNAPSHOT_STATES
 
-QUOTAS = ("max_live", "creates_per_minute")
-MAX_QUOTA = names.TENANT_MAX_QUOTA
+QUOTAS = ("max_live", "creates_per_minute", "snapshot_bytes")
+MAX_QUOTA = {
+    "max_live": names.TENANT_MAX_QUOTA,
+    "creates_per_minute": names.TENANT_MAX_QUOTA,
+    "snapshot_bytes": names.TENANT_MAX_QUOTA_BYTES,
+}
 
 
 @dataclass(frozen=True)
@@ -34,9 +39,11 @@ class TenantView:
     name: str
     max_live: int | None
     creates_per_minute: int | None
+    snapshot_bytes: int | None = None
     jobs: list[str] = field(default_factory=list)
     live: int = 0
     creates_last_minute: int = 0
+    snapshot_bytes_held: int = 0  # listed by its live, unexpired snapshots
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -51,7 +58,7 @@ def validate_name(name: str) -> str:
 
 
 def validate_quotas(quotas: dict[str, Any]) -> dict[str, int | None]:
-    """Only known quotas, each a whole number from 0 to MAX_QUOTA or None (no limit)."""
+    """Only known quotas, each a whole number from 0 to its MAX_QUOTA or None (no limit)."""
     out: dict[str, int | None] = {}
     for key, given in quotas.items():
         if key not in QUOTAS:
@@ -59,10 +66,10 @@ def validate_quotas(quotas: dict[str, Any]) -> dict[str, int | None]:
         # JSON's 4066.0 is the integer 4066 (as JSON Schema says)
         value = int(given) if isinstance(given, float) and given.is_integer() else given
         ok = value is None or (
-            isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_QUOTA
+            isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_QUOTA[key]
         )
         if not ok:
-            raise InvalidRequest(f"{key} must be 0..{MAX_QUOTA} or null (no limit)", field=key)
+            raise InvalidRequest(f"{key} must be 0..{MAX_QUOTA[key]} or null (no limit)", field=key)
         out[key] = value
     return out
 
@@ -191,14 +198,27 @@ def listing(sessions: sessionmaker[Session], name: str | None = None) -> list[Te
                 .group_by(Sandbox.tenant)
             ).all()
         )
+        held = dict(
+            session.execute(
+                select(Snapshot.tenant, func.sum(Snapshot.size_b))
+                .where(
+                    Snapshot.tenant.in_(names),
+                    Snapshot.state.in_(LIVE_SNAPSHOT_STATES),
+                    Snapshot.expires_at > utcnow(),
+                )
+                .group_by(Snapshot.tenant)
+            ).all()
+        )
     return [
         TenantView(
             t.name,
             t.max_live,
             t.creates_per_minute,
+            t.snapshot_bytes,
             jobs.get(t.name, []),
             int(live.get(t.name, 0)),
             int(recent.get(t.name, 0)),
+            int(held.get(t.name) or 0),
         )
         for t in tenants
     ]

@@ -30,6 +30,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from broker import failpoints
 from broker.acquire.cancel import CancelWatcher
+from broker.acquire.idle import IdleReclaimer
 from broker.backends.base import INBOX, Backend, BlobInbox
 from broker.errors import (
     AcquireTimeout,
@@ -144,6 +145,7 @@ class Broker:
         self.prepull = PrePull(settings, sessions, self.provider.backend, self.pacer, self.limits)
         self.actor = actor
         self._snapshots: SnapshotService | None = None
+        self.idle = IdleReclaimer(sessions, redis, self.provider, self.enqueue)
 
     @property
     def snapshots(self) -> SnapshotService:
@@ -212,6 +214,7 @@ class Broker:
             self.watcher.unwatch(rid)
         if job.reuse:
             self._baseline_or_release(lease)
+        self.idle.register(lease.sandbox_id, job.idle_timeout_s)
         return lease
 
     def _admit(
@@ -295,6 +298,9 @@ class Broker:
             except (CreateFailed, InvalidRequest) as exc:
                 log.info("hand-out of %s skipped: %s", sandbox_id, exc)
                 return
+            with self.sessions() as session:
+                timeout_s = self.provider.job(session, job).idle_timeout_s
+            self.idle.register(sandbox_id, timeout_s)
             self.pools.upkeep_job(job)  # a hand-out triggers a paced replacement
 
     # -- release, heartbeat -------------------------------------------------------------

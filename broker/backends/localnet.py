@@ -35,6 +35,7 @@ import re
 import select
 import shutil
 import subprocess
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -101,7 +102,8 @@ class Guards:
             raise GuardMissing("egress allow-lists need root (iptables in the sandbox's netns)")
         self.folder.mkdir(parents=True, exist_ok=True)
         path = self._path(namespace, job)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        # Per thread, not per process: a worker's threads record one job's guard at once.
+        tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
         tmp.write_text(json.dumps({"allow": list(nets)}))
         tmp.replace(path)
 

@@ -155,6 +155,13 @@ def register(group: click.Group) -> None:
     @click.option("--lease-s", type=float, default=None)
     @click.option("--readiness-budget-s", type=float, default=None)
     @click.option(
+        "--idle-timeout-s",
+        type=click.FloatRange(min=0),
+        default=None,
+        help="Reclaim a held sandbox after this long with no execd call and no command "
+        "running (0: never, the default). Warm pools keep their own idle=.",
+    )
+    @click.option(
         "--snapshot-bytes",
         type=click.IntRange(min=0),
         default=None,
@@ -193,6 +200,7 @@ def register(group: click.Group) -> None:
         max_reuses: int | None,
         lease_s: float | None,
         readiness_budget_s: float | None,
+        idle_timeout_s: float | None,
         snapshot_bytes: int | None,
         egress: str | None,
         hot_images: tuple[str, ...],
@@ -216,6 +224,8 @@ def register(group: click.Group) -> None:
             if value is not None:
                 config[key] = value
         config["max_reuses"] = max_reuses if max_reuses is not None else settings.max_reuses
+        if idle_timeout_s is not None:
+            config["idle_timeout_s"] = idle_timeout_s or None  # 0: off
         try:
             if warm:
                 config["warm_pools"] = [parse_warm(w, settings.idle_timeout_s) for w in warm]
@@ -250,6 +260,7 @@ def register(group: click.Group) -> None:
                             "job": row.name,
                             "warm_pools": row.warm_pools,
                             "create_rate": row.create_rate,
+                            "idle_timeout_s": row.idle_timeout_s,
                             "reuse": row.reuse,
                             "egress": row.egress,
                             "egress_allow": row.egress_allow,

@@ -43,8 +43,8 @@ def _run(ctx: click.Context, work: Callable[[Any], Any]) -> Any:
         root.dispose()
 
 
-def _given(max_live: str | None, creates_per_minute: str | None) -> dict[str, int | None]:
-    given = {"max_live": max_live, "creates_per_minute": creates_per_minute}
+def _given(**given: str | None) -> dict[str, int | None]:
+    """The quota options given on the command line (an option left out: unchanged)."""
     return {k: _quota(v) for k, v in given.items() if v is not None}
 
 
@@ -58,6 +58,12 @@ def register(group: click.Group) -> None:
         click.option(
             "--creates-per-minute", default=None, metavar="N|none", help="Intents per minute."
         ),
+        click.option(
+            "--snapshot-bytes",
+            default=None,
+            metavar="N|none",
+            help="Bytes listed by the live snapshots of all its jobs.",
+        ),
     ]
 
     def with_quotas(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -69,13 +75,11 @@ def register(group: click.Group) -> None:
     @click.argument("name")
     @with_quotas
     @click.pass_context
-    def create(
-        ctx: click.Context, name: str, max_live: str | None, creates_per_minute: str | None
-    ) -> None:
+    def create(ctx: click.Context, /, name: str, **given: str | None) -> None:
         """Create tenant NAME (a quota not given: no limit)."""
         from broker.acquire import quotas
 
-        quotas_given = _given(max_live, creates_per_minute)
+        quotas_given = _given(**given)
         view = _run(ctx, lambda s: quotas.create(s, name, quotas_given, actor=actor()))
         click.echo(json.dumps(view.to_dict()))
 
@@ -83,13 +87,11 @@ def register(group: click.Group) -> None:
     @click.argument("name")
     @with_quotas
     @click.pass_context
-    def set_(
-        ctx: click.Context, name: str, max_live: str | None, creates_per_minute: str | None
-    ) -> None:
+    def set_(ctx: click.Context, /, name: str, **given: str | None) -> None:
         """Change the given quotas of tenant NAME ('none': no limit); audited."""
         from broker.acquire import quotas
 
-        quotas_given = _given(max_live, creates_per_minute)
+        quotas_given = _given(**given)
         view = _run(ctx, lambda s: quotas.update(s, name, quotas_given, actor=actor()))
         click.echo(json.dumps(view.to_dict()))
 
@@ -105,7 +107,7 @@ def register(group: click.Group) -> None:
             for view in views:
                 click.echo(json.dumps(view.to_dict()))
             return
-        click.echo(f"{'tenant':24} {'live':>11} {'creates/min':>13}  jobs")
+        click.echo(f"{'tenant':24} {'live':>11} {'creates/min':>13} {'snapshot bytes':>23}  jobs")
 
         def used(n: int, limit: int | None) -> str:
             return f"{n}/{'-' if limit is None else limit}"
@@ -113,5 +115,6 @@ def register(group: click.Group) -> None:
         for v in views:
             click.echo(
                 f"{v.name:24} {used(v.live, v.max_live):>11} "
-                f"{used(v.creates_last_minute, v.creates_per_minute):>13}  {', '.join(v.jobs)}"
+                f"{used(v.creates_last_minute, v.creates_per_minute):>13} "
+                f"{used(v.snapshot_bytes_held, v.snapshot_bytes):>23}  {', '.join(v.jobs)}"
             )

@@ -27,7 +27,7 @@ from redis.exceptions import RedisError
 
 from broker.client import core
 from broker.client.base import ClientBase, ClientOptions, SandboxBase
-from broker.errors import SandmanError, ServiceUnavailable
+from broker.errors import SandboxLost, SandboxReclaimed, SandmanError, ServiceUnavailable
 from broker.wire import mailbox, warm
 from broker.wire.execd import AsyncExecdCalls, Call, RunChunk, RunResult
 from broker.wire.snapshots import Snapshot
@@ -54,11 +54,35 @@ class AsyncSandbox(SandboxBase, AsyncExecdCalls):
 
     async def _send(self, call: Call) -> dict[str, Any]:
         self._check_held()
-        return await self._execd.send_async(self.client.http, call)
+        try:
+            return await self._execd.send_async(self.client.http, call)
+        except SandboxLost as exc:
+            raise await self._lost(exc) from exc
 
     def _stream(self, call: Call) -> AsyncIterator[RunChunk | RunResult]:
         self._check_held()
-        return self._execd.stream_async(self.client.http, call)
+        return self._guarded(self._execd.stream_async(self.client.http, call))
+
+    async def _guarded(
+        self, items: AsyncIterator[RunChunk | RunResult]
+    ) -> AsyncIterator[RunChunk | RunResult]:
+        try:
+            async for item in items:
+                yield item
+        except SandboxLost as exc:
+            raise await self._lost(exc) from exc
+
+    async def _lost(self, exc: SandboxLost) -> SandboxLost:
+        """A lost sandbox the broker reclaimed (idle) is said to be: SandboxReclaimed."""
+        key = core.lost_key(exc, self.id)
+        try:
+            marker = await self.client.redis.get(key) if key else None
+        except RedisError:
+            return exc  # cannot tell: the failure as it was
+        error = core.lost_error(exc, self.id, marker)
+        if isinstance(error, SandboxReclaimed):
+            self.client.heartbeats.remove(self.id)  # its lease went with it
+        return error
 
     async def healthy(self, timeout: float = 2.0) -> bool:
         return await self._execd.healthy_async(self.client.http, timeout)

@@ -18,13 +18,20 @@ Times are passed in (``now``), never read here, so unit tests drive them directl
 from __future__ import annotations
 
 import datetime as dt
+import json
 import os
 import socket
 from collections.abc import Iterable
 from typing import Any, NamedTuple
 
-from broker.errors import AcquireTimeout, InvalidRequest, ServiceUnavailable
-from broker.names import Task, queue_of
+from broker.errors import (
+    AcquireTimeout,
+    InvalidRequest,
+    SandboxLost,
+    SandboxReclaimed,
+    ServiceUnavailable,
+)
+from broker.names import Task, queue_of, reclaimed_key
 from broker.wire import mailbox, warm
 from broker.wire.errors import raise_payload_error
 from broker.wire.request import request_body
@@ -251,6 +258,30 @@ def settle_snapshot(raw: bytes | str) -> Snapshot:
     if "snapshot" not in payload:
         raise_payload_error(payload)
     return Snapshot.from_dict(payload["snapshot"])
+
+
+# -- idle reclaim -----------------------------------------------------------------------
+
+
+def lost_key(error: SandboxLost, sandbox_id: str) -> str | None:
+    """The Redis key that says whether a lost sandbox was reclaimed (None: execd already
+    said so, nothing to look up). Read only after a failure: a healthy call costs nothing."""
+    return None if isinstance(error, SandboxReclaimed) else reclaimed_key(sandbox_id)
+
+
+def lost_error(error: SandboxLost, sandbox_id: str, marker: bytes | str | None) -> SandboxLost:
+    """``SandboxReclaimed`` when the broker reclaimed it (``marker`` is the record of it
+    ``broker.acquire.idle`` left), else the failure as it was."""
+    if not marker:
+        return error
+    try:
+        idle = f" after {float(json.loads(marker)['idle_s']):.0f} s idle"
+    except (ValueError, KeyError, TypeError):
+        idle = ""
+    return SandboxReclaimed(
+        f"sandbox {sandbox_id} was reclaimed{idle} (no execd call and no running command "
+        "for its job's idle_timeout_s): acquire another"
+    )
 
 
 # -- heartbeats -------------------------------------------------------------------------

@@ -36,7 +36,7 @@ import redis as redis_lib
 
 from broker.client import core
 from broker.client.base import ClientBase, ClientOptions, SandboxBase
-from broker.errors import SandmanError, ServiceUnavailable
+from broker.errors import SandboxLost, SandboxReclaimed, SandmanError, ServiceUnavailable
 from broker.names import Queue
 from broker.wire import mailbox, warm
 from broker.wire.execd import Call, ExecdCalls, ExecResult, RunChunk, RunResult
@@ -76,11 +76,32 @@ class Sandbox(SandboxBase, ExecdCalls):
 
     def _send(self, call: Call) -> dict[str, Any]:
         self._check_held()
-        return self._execd.send(self.client.http, call)
+        try:
+            return self._execd.send(self.client.http, call)
+        except SandboxLost as exc:
+            raise self._lost(exc) from exc
 
     def _stream(self, call: Call) -> Iterator[RunChunk | RunResult]:
         self._check_held()
-        return self._execd.stream(self.client.http, call)
+        return self._guarded(self._execd.stream(self.client.http, call))
+
+    def _guarded(self, items: Iterator[RunChunk | RunResult]) -> Iterator[RunChunk | RunResult]:
+        try:
+            yield from items
+        except SandboxLost as exc:
+            raise self._lost(exc) from exc
+
+    def _lost(self, exc: SandboxLost) -> SandboxLost:
+        """A lost sandbox the broker reclaimed (idle) is said to be: SandboxReclaimed."""
+        key = core.lost_key(exc, self.id)
+        try:
+            marker = self.client.redis.get(key) if key else None
+        except redis_lib.RedisError:
+            return exc  # cannot tell: the failure as it was
+        error = core.lost_error(exc, self.id, marker)
+        if isinstance(error, SandboxReclaimed):
+            self.client.heartbeats.remove(self.id)  # its lease went with it
+        return error
 
     def healthy(self, timeout: float = 2.0) -> bool:
         return self._execd.healthy(self.client.http, timeout)

@@ -60,6 +60,7 @@ class Tenant(Base):
     name: Mapped[str] = mapped_column(String(63), primary_key=True)
     max_live: Mapped[int | None] = mapped_column(Integer)  # live sandboxes, warm ones included
     creates_per_minute: Mapped[int | None] = mapped_column(Integer)  # intents, sliding minute
+    snapshot_bytes: Mapped[int | None] = mapped_column(BigInteger)  # listed by live snapshots
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     updated_at: Mapped[dt.datetime] = mapped_column(
         DateTime(timezone=True), default=utcnow, onupdate=utcnow
@@ -80,7 +81,9 @@ class Job(Base):
     max_live: Mapped[int | None] = mapped_column(Integer)
     max_concurrent_creates: Mapped[int | None] = mapped_column(Integer)
     readiness_budget_s: Mapped[float] = mapped_column(Float, default=120.0)
-    idle_timeout_s: Mapped[float] = mapped_column(Float, default=300.0)
+    # Idle reclaim of held sandboxes (broker/acquire/idle.py); None: off. Warm pools have
+    # their own idle timeout per pool entry.
+    idle_timeout_s: Mapped[float | None] = mapped_column(Float, default=None)
     lease_s: Mapped[float] = mapped_column(Float, default=300.0)
     egress: Mapped[str] = mapped_column(String(16), default="allow")  # allow | deny | allowlist
     egress_allow: Mapped[list[str]] = mapped_column(JSON, default=list)
@@ -260,6 +263,7 @@ class Snapshot(Base):
     __table_args__ = (
         Index("ix_snapshots_job_state", "job", "state"),
         Index("ix_snapshots_expires_at", "expires_at"),
+        Index("ix_snapshots_tenant_state", "tenant", "state"),
     )
 
     id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
@@ -267,6 +271,8 @@ class Snapshot(Base):
     # Whose store holds its blobs: the GC and the audit of one installation see only its own.
     installation: Mapped[str] = mapped_column(String(63))
     sandbox_id: Mapped[str | None] = mapped_column(String(32))  # the sandbox it was taken of
+    # The tenant its job had at capture, billed for its bytes (as ``sandboxes.tenant``).
+    tenant: Mapped[str | None] = mapped_column(String(63))
     image: Mapped[str] = mapped_column(String(512))
     image_digest: Mapped[str | None] = mapped_column(String(128))
     state: Mapped[str] = mapped_column(String(16), default="capturing")

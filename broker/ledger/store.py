@@ -267,6 +267,15 @@ def tenant_usage_locked(session: Session, tenant: str, since: dt.datetime) -> tu
     return int(live or 0), int(recent or 0)
 
 
+def lock_tenant_snapshots(session: Session, tenant: str) -> None:
+    """A transaction-scoped advisory lock on ``tenant``'s snapshot bytes: a count of its
+    live snapshots followed by a ``capturing`` insert is atomic against captures of any
+    of its jobs. Taken after the job row's lock, always in that order."""
+    session.execute(
+        text("SELECT pg_advisory_xact_lock(hashtext(:key))"), {"key": f"snapshots:{tenant}"}
+    )
+
+
 def nth_intent_since(
     session: Session, tenant: str, since: dt.datetime, n: int
 ) -> dt.datetime | None:

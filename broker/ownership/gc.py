@@ -12,7 +12,8 @@ What one pass settles:
   pod, row releasing            -> retry the pending delete
   pod, row creating, lease over -> stuck create (worker died): release
   pod, row ready, lease over    -> abandoned by its trainer: release
-  pod, row ready, warm, idle    -> idle past the job's timeout: release
+  pod, row ready, warm, idle    -> idle past its pools' timeout: release (held sandboxes
+                                   idle past the job's: broker/acquire/idle.py)
   no pod, row ready             -> pod lost: close the row
   no pod, row requested/creating/releasing/abandoned past its lease -> close the row
 """
@@ -273,9 +274,16 @@ def _judge_pod(
         and row.acquired_at is None
         and job is not None
         and row.ready_at
-        and (now - row.ready_at).total_seconds() > job.idle_timeout_s
+        and (now - row.ready_at).total_seconds() > _warm_idle_s(job, settings.idle_timeout_s)
     ):
         _act(provider, report, row, "released", "idle")
+
+
+def _warm_idle_s(job: Job, default_s: float) -> float:
+    """The longest idle timeout of the job's warm pools: a never-handed-out sandbox idle
+    past it is one no pool's own upkeep (``broker.pools.upkeep``) kept, so the GC may."""
+    idle = [float(p.get("idle_timeout_s") or default_s) for p in job.warm_pools or []]
+    return max([default_s, *idle])
 
 
 def _abandon(provider: Provider, report: GcReport, row: Sandbox) -> None:

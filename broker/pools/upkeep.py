@@ -82,7 +82,7 @@ class PoolUpkeep:
         stale = now - dt.timedelta(seconds=self.settings.readiness_budget_s + REFILL_BUDGET_S)
         with self.sessions() as session:
             job = store.get_job(session, job_name)
-            configs = {c.key: c for c in parse_pools(job.warm_pools, job.idle_timeout_s)}
+            configs = {c.key: c for c in parse_pools(job.warm_pools, self.settings.idle_timeout_s)}
             rows = list(
                 session.scalars(
                     select(Sandbox).where(
@@ -93,13 +93,12 @@ class PoolUpkeep:
                     )
                 )
             )
-            default_idle = job.idle_timeout_s
         counts = {"refill": 0, "idle": 0, "trim": 0, "republished": 0}
         for key in set(configs) | {r.pool_key for r in rows if r.pool_key}:
             cfg = configs.get(key)
             mine = [r for r in rows if r.pool_key == key]
             inflight = [r for r in mine if r.state != State.READY and r.requested_at > stale]
-            idle_s = cfg.idle_timeout_s if cfg else default_idle
+            idle_s = cfg.idle_timeout_s if cfg else self.settings.idle_timeout_s
             live = self._expire_or_republish(
                 job_name, key=key, mine=mine, idle_s=idle_s, now=now, counts=counts
             )

@@ -96,7 +96,7 @@ def drive(
         for image, size in sorted(policy.warm.items())
     ]
     with sessions.begin() as session:
-        store.ensure_job(session, job, warm_pools=pools, idle_timeout_s=policy.idle_timeout_s)
+        store.ensure_job(session, job, warm_pools=pools)
     warm = WarmStore(client.redis)
     keys = {img: pool_key(img, None, None, CPU_M, MEMORY_B) for img in policy.warm}
     client.send(Task.POOL_UPKEEP, [], Queue.POOL)

@@ -35,19 +35,21 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from sqlalchemy import func, select
+from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from broker import failpoints
 from broker.errors import (
     ExecError,
     InvalidRequest,
+    QuotaExceeded,
     SandboxLost,
     SnapshotCorrupt,
     SnapshotNotFound,
     SnapshotQuotaExceeded,
 )
-from broker.ledger.models import Job, Sandbox, Snapshot, utcnow
+from broker.ledger import store as ledger
+from broker.ledger.models import Job, Sandbox, Snapshot, Tenant, utcnow
 from broker.ledger.states import State
 from broker.snapshots.store import BlobStore, LocalBlobs, manifest_blobs
 from broker.wire.execd import Call, Endpoint, decode, shared_http, transport_failure
@@ -267,18 +269,19 @@ class SnapshotService:
                 select(Job).where(Job.name == row.job).with_for_update()
             ).scalar_one()
             if job.snapshot_bytes is not None:
-                held = session.scalar(
-                    select(func.coalesce(func.sum(Snapshot.size_b), 0)).where(
-                        Snapshot.job == job.name, Snapshot.state.in_(LIVE_STATES)
-                    )
-                )
-                if int(held or 0) + size > job.snapshot_bytes:
+                held = sum(s for s, _ in _live_sizes(session, Snapshot.job == job.name))
+                if held + size > job.snapshot_bytes:
                     raise SnapshotQuotaExceeded(
-                        f"job {job.name}: snapshots would hold {int(held or 0) + size} bytes,"
+                        f"job {job.name}: snapshots would hold {held + size} bytes,"
                         f" over its quota of {job.snapshot_bytes}"
                     )
+            tenant = session.get(Tenant, job.tenant) if job.tenant else None
+            if tenant is not None and tenant.snapshot_bytes is not None:
+                ledger.lock_tenant_snapshots(session, tenant.name)
+                check_tenant_bytes(session, tenant.name, tenant.snapshot_bytes, size)
             snap = Snapshot(
                 job=row.job,
+                tenant=job.tenant,
                 installation=self.installation,
                 sandbox_id=row.id,
                 image=row.image,
@@ -381,6 +384,47 @@ class SnapshotService:
             if not every:
                 q = q.where(Snapshot.state != DELETED)
             return [summary(s) for s in session.scalars(q)]
+
+
+def _live_sizes(session: Session, whose: Any) -> list[tuple[int, dt.datetime]]:
+    """Size and expiry of each live, unexpired snapshot matching ``whose``, soonest first:
+    an expired one no longer counts (it is not found any more; the GC deletes it)."""
+    stmt = (
+        select(Snapshot.size_b, Snapshot.expires_at)
+        .where(whose, Snapshot.state.in_(LIVE_STATES), Snapshot.expires_at > utcnow())
+        .order_by(Snapshot.expires_at)
+    )
+    return [(int(s), at) for s, at in session.execute(stmt).all()]
+
+
+def check_tenant_bytes(session: Session, tenant: str, quota: int, size: int) -> None:
+    """Refuse a capture of ``size`` bytes that would put ``tenant`` over its quota.
+
+    A snapshot larger than the whole quota can never fit: ``SnapshotQuotaExceeded``
+    (permanent). Otherwise ``QuotaExceeded`` with ``retry_after`` exact: when enough of
+    the tenant's snapshots have expired for this one to fit (removing some frees room
+    at once)."""
+    if size > quota:
+        raise SnapshotQuotaExceeded(
+            f"tenant {tenant}: a snapshot of {size} bytes is over its whole quota of {quota}"
+        )
+    live = _live_sizes(session, Snapshot.tenant == tenant)
+    held = sum(s for s, _ in live)
+    if held + size <= quota:
+        return
+    # size <= quota, so room comes at the latest when every live one has expired
+    freed, room_at = 0, live[-1][1]
+    for s, expires_at in live:
+        freed += s
+        if held - freed + size <= quota:
+            room_at = expires_at
+            break
+    raise QuotaExceeded(
+        f"tenant {tenant}: snapshots would hold {held + size} bytes, its quota is {quota}",
+        tenant=tenant,
+        quota="snapshot_bytes",
+        retry_after=round(max((room_at - utcnow()).total_seconds(), 0.001), 3),
+    )
 
 
 def referenced_blobs(store: BlobStore, ids: list[str]) -> Iterator[str]:

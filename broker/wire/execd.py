@@ -9,6 +9,7 @@ status means the same thing everywhere:
     403 ``permission_denied``  ExecError      (the sandbox's file system refused: the agent's)
     429                      ExecBusy        (its bound of runs or sessions is reached: retry)
     404 ``no_session``       ExecSessionNotFound
+    410 ``reclaimed``        SandboxReclaimed (idle past its job's timeout: acquire another)
     4xx ``unknown_user``, ``cannot_switch_user``  ExecUserError
     5xx, non-JSON, no answer SandboxLost     (infrastructure: mask the sample)
     any other 4xx            ExecError       (execd refused the input; ``error_code`` is its code)
@@ -42,6 +43,7 @@ from broker.errors import (
     ExecUserError,
     InvalidRequest,
     SandboxLost,
+    SandboxReclaimed,
     SandmanError,
 )
 from broker.wire.validation import json_object
@@ -231,6 +233,12 @@ def control_call(path: str, *, timeout: float = CALL_TIMEOUT_S) -> Call:
     return Call("POST", path, {}, timeout)
 
 
+def reclaim_call(idle_timeout_s: float, held_s: float) -> Call:
+    """The broker's idle check (execd/activity.py): reclaimed now, or how long idle."""
+    body = {"idle_timeout_s": idle_timeout_s, "held_s": max(held_s, 0.0)}
+    return Call("POST", "/v1/reclaim", body, 10.0)
+
+
 def healthz_call(timeout: float) -> Call:
     return Call("GET", "/healthz", None, timeout)
 
@@ -254,6 +262,7 @@ def decode(status: int, content: bytes, call: Call, who: str) -> dict[str, Any]:
 
 
 FS_REFUSED = "permission_denied"
+RECLAIMED = "reclaimed"
 USER_CODES = frozenset({"unknown_user", "cannot_switch_user"})
 
 
@@ -267,6 +276,8 @@ def refusal(status: int, error: dict[str, Any], call: Call) -> SandmanError:
         return ExecAuthError(message, status=status, error_code="auth")
     if status >= 500:
         return SandboxLost(message)
+    if status == 410 and code == RECLAIMED:
+        return SandboxReclaimed(f"{call.path}: {error.get('message')}")
     if status == 429:
         return ExecBusy(message, status=status, error_code=code)
     if status == 404 and code == "no_session":

@@ -37,6 +37,20 @@ KWOK_TOLERATION = kwok.KWOK_TOLERATION
 POLICY_ENGINE = "kube-network-policies"
 
 
+def cluster_settings(kubeconfig: str, namespace: str, state_dir: Path, **extra: Any) -> Any:
+    """Settings of a broker on the test cluster: its own installation id per test."""
+    from broker.settings import Settings
+
+    return Settings(
+        state_dir=state_dir,
+        backend="kubernetes",
+        kubeconfig=kubeconfig,
+        namespace=namespace,
+        installation_id=f"test-{secrets.token_hex(4)}",
+        **extra,
+    )
+
+
 def _unavailable(message: str) -> None:
     if IN_CI:
         pytest.fail(message)

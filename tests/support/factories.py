@@ -19,3 +19,12 @@ SMALL_POD = PodSpec(
 def pod_spec(name: str, **fields: Any) -> PodSpec:
     """``SMALL_POD`` named ``name`` (its sandbox id too), with ``fields`` replaced."""
     return dataclasses.replace(SMALL_POD, name=name, sandbox_id=name, **fields)
+
+
+def job(sessions: Any, name: str, **config: Any) -> str:
+    """Create or update job ``name`` with ``config`` (committed); returns its name."""
+    from broker.ledger import store
+
+    with sessions.begin() as session:
+        store.ensure_job(session, name, **config)
+    return name

@@ -83,7 +83,7 @@ def job_rows() -> list[JobRow]:
     for row in rows.values():
         for raw in row.job.warm_pools or []:
             try:
-                cfg = parse_pools([raw], row.job.idle_timeout_s)[0]
+                cfg = parse_pools([raw], root().settings.idle_timeout_s)[0]
             except (SandmanError, ValueError, TypeError) as exc:
                 row.pools.append(PoolRow(None, dict(raw), None, str(exc)))
                 continue

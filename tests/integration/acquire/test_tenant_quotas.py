@@ -85,14 +85,14 @@ def test_live_quota_refuses_at_once_without_a_row_and_changes_at_run_time(
         "tenant-create",
         "admin:test",
         None,
-        {"max_live": 2, "creates_per_minute": None},
+        {"max_live": 2, "creates_per_minute": None, "snapshot_bytes": None},
     )
     assert [c[0] for c in changes[1:3]] == ["job-tenant", "job-tenant"]
     assert changes[-1] == (
         "tenant-set",
         "admin:test",
-        {"max_live": 2, "creates_per_minute": None},
-        {"max_live": 3, "creates_per_minute": None},
+        {"max_live": 2, "creates_per_minute": None, "snapshot_bytes": None},
+        {"max_live": 3, "creates_per_minute": None, "snapshot_bytes": None},
     )
 
 

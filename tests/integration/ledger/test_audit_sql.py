@@ -159,7 +159,11 @@ def test_owner_history_and_pod_hours_of_a_real_acquire_and_release(
             ("tenant-create", "admin:audit", None),
             ("job-tenant", "admin:audit", job),
         ]
-        assert changes[0]["after"] == {"max_live": 5, "creates_per_minute": None}
+        assert changes[0]["after"] == {
+            "max_live": 5,
+            "creates_per_minute": None,
+            "snapshot_bytes": None,
+        }
         # a window holding only the second half of the pod's life counts only that half
         middle = row.creating_at + (row.deleted_at - row.creating_at) / 2
         (half,) = [

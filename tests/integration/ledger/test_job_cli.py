@@ -48,3 +48,21 @@ def test_job_egress_allow_deny_and_cidrs(sessions, database_url, monkeypatch) ->
         assert code != 0 and "--egress" in out, out
     with sessions() as session:
         assert store.get_job(session, job).egress == "deny"
+
+
+def test_job_idle_timeout_set_kept_and_turned_off(sessions, database_url, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("SANDMAN_DATABASE_URL", database_url)
+    job = f"idle-{secrets.token_hex(3)}"
+    code, out = _create(job)
+    assert code == 0, out
+    assert json.loads(out.splitlines()[-1])["idle_timeout_s"] is None  # off unless asked
+    code, out = _create(job, "--idle-timeout-s", "90")
+    assert code == 0 and json.loads(out.splitlines()[-1])["idle_timeout_s"] == 90.0, out
+    code, out = _create(job, "--rate", "2")  # not given: kept
+    assert code == 0 and json.loads(out.splitlines()[-1])["idle_timeout_s"] == 90.0, out
+    code, out = _create(job, "--idle-timeout-s", "-1")
+    assert code != 0 and "--idle-timeout-s" in out, out
+    code, out = _create(job, "--idle-timeout-s", "0")
+    assert code == 0, out
+    with sessions() as session:
+        assert store.get_job(session, job).idle_timeout_s is None

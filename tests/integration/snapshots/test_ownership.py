@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import json
+import secrets
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -18,9 +19,11 @@ import pytest
 from click.testing import CliRunner
 from sqlalchemy import select
 
+from broker.acquire import quotas
 from broker.cli.main import main
 from broker.errors import (
     InvalidRequest,
+    QuotaExceeded,
     SnapshotCorrupt,
     SnapshotNotFound,
     SnapshotQuotaExceeded,
@@ -46,6 +49,13 @@ def _job(sessions: Any, name: str, **config: Any) -> str:
 
 def _blobs(stack: Settings) -> FsBlobStore:
     return default_store(stack.state_dir)
+
+
+@pytest.fixture
+def cli_env(stack: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``sandman`` commands in this process see the test stack's ledger and store."""
+    for name in ("database_url", "state_dir", "installation_id", "secret_key"):
+        monkeypatch.setenv(f"SANDMAN_{name.upper()}", str(getattr(stack, name)))
 
 
 def _live_sandboxes(sessions: Any, job: str) -> list[str]:
@@ -134,14 +144,9 @@ def test_identical_files_are_stored_once_and_expired_snapshots_are_collected(
 
 
 def test_snapshot_cli_lists_and_removes(
-    make_trainer: Callable[..., Trainer],
-    sessions: Any,
-    stack: Settings,
-    monkeypatch: pytest.MonkeyPatch,
+    make_trainer: Callable[..., Trainer], sessions: Any, stack: Settings, cli_env: None
 ) -> None:
     trainer = make_trainer(owner="cli")
-    for name in ("database_url", "state_dir", "installation_id", "secret_key"):
-        monkeypatch.setenv(f"SANDMAN_{name.upper()}", str(getattr(stack, name)))
     job = f"snap-cli-{trainer.flavour}"
     made = CliRunner().invoke(main, ["job", "create", job, "--snapshot-bytes", "1000"])
     assert made.exit_code == 0, made.output
@@ -161,6 +166,50 @@ def test_snapshot_cli_lists_and_removes(
     assert again.exit_code != 0 and "no such snapshot" in again.output
     with pytest.raises(SnapshotNotFound):
         trainer.client.resume(snap.id)
+
+
+def test_a_tenant_snapshot_quota_spans_its_jobs_and_changes_at_run_time(
+    make_trainer: Callable[..., Trainer], sessions: Any, stack: Settings, cli_env: None
+) -> None:
+    trainer = make_trainer(owner="tenant-bytes")
+    tenant = f"bytes-{trainer.flavour}-{secrets.token_hex(3)}"
+    made = CliRunner().invoke(main, ["tenant", "create", tenant, "--snapshot-bytes", "100"])
+    assert made.exit_code == 0, made.output
+    assert json.loads(made.output)["snapshot_bytes"] == 100
+    jobs = [_job(sessions, f"{tenant}-{i}") for i in range(2)]
+    for job in jobs:
+        quotas.assign_job(sessions, job, tenant, actor="admin:test")
+    first_sb = trainer.open(image=TASK_IMAGE, job=jobs[0], timeout=60)
+    other_sb = trainer.open(image=TASK_IMAGE, job=jobs[1], timeout=60)
+    try:
+        first_sb.write_file("/workspace/a", b"a" * 60)
+        first = first_sb.snapshot(ttl_s=3600)
+        other_sb.write_file("/workspace/b", b"b" * 60)
+        with pytest.raises(QuotaExceeded) as over:
+            other_sb.snapshot()  # another job of the tenant: 60 + 60 > 100
+        assert (over.value.tenant, over.value.quota) == (tenant, "snapshot_bytes")
+        # room comes when ``first`` expires (an hour), not before and not never
+        assert over.value.retry_after_s is not None and 0 < over.value.retry_after_s <= 3600
+        other_sb.write_file("/workspace/big", b"c" * 200)
+        with pytest.raises(SnapshotQuotaExceeded):
+            other_sb.snapshot()  # 260 bytes alone: can never fit in 100
+        other_sb.run("rm /workspace/big")
+        raised = CliRunner().invoke(main, ["tenant", "set", tenant, "--snapshot-bytes", "120"])
+        assert raised.exit_code == 0, raised.output
+        second = other_sb.snapshot()  # the quota changed at run time
+    finally:
+        first_sb.release()
+        other_sb.release()
+    with sessions() as session:
+        rows = session.execute(
+            select(Snapshot.job, Snapshot.tenant, Snapshot.size_b).where(Snapshot.job.in_(jobs))
+        ).all()
+    assert sorted(rows) == [(jobs[0], tenant, 60), (jobs[1], tenant, 60)]
+    view = quotas.get(sessions, tenant)
+    assert (view.snapshot_bytes, view.snapshot_bytes_held) == (120, 120)
+    listed = CliRunner().invoke(main, ["tenant", "ls"])
+    assert listed.exit_code == 0 and "120/120" in listed.output, listed.output
+    assert [trainer.client.describe(s.id).size for s in (first, second)] == [60, 60]
 
 
 def test_another_trainers_sandbox_is_refused_and_left_alone(

@@ -21,6 +21,20 @@ def _post(client: Any, path: str, body: Any) -> Any:
     return client.post(path, json=body, headers={"X-CSRF-Token": token})
 
 
+def test_a_byte_quota_goes_past_the_count_quotas_limit(admin: Any) -> None:
+    spec = admin.get("/api/openapi.json").json
+    name = f"team-{secrets.token_hex(3)}"
+    assert _post(admin, "/api/tenants", {"name": name}).status_code == 201
+    fifty_gib = _post(admin, f"/api/tenants/{name}", {"snapshot_bytes": 50 << 30})
+    assert fifty_gib.status_code == 200, fifty_gib.json
+    check(spec, "/api/tenants/{name}", "200", fifty_gib.json)
+    assert fifty_gib.json["snapshot_bytes"] == 50 << 30
+    assert (
+        _post(admin, f"/api/tenants/{name}", {"snapshot_bytes": (1 << 50) + 1}).status_code == 400
+    )
+    assert _post(admin, f"/api/tenants/{name}", {"max_live": 50 << 30}).status_code == 400
+
+
 def test_admin_creates_changes_lists_and_moves_a_job_all_audited(
     admin: Any, job: str, sessions: Any
 ) -> None:
