@@ -98,6 +98,9 @@ class Settings:
     snapshot_s3_region: str = "us-east-1"
     snapshot_s3_access_key: str = ""
     snapshot_s3_secret_key: str = ""
+    # Restores on the local backend copy their blobs from a read-only inbox on the same
+    # disk (broker/snapshots/service.py); off: they stream over HTTP as on Kubernetes.
+    snapshot_local_copy: bool = True
     execd_port: int = 8080
     web_host: str = "127.0.0.1"
     web_port: int = 8000

@@ -70,6 +70,7 @@ class App:
             "/v1/snapshot/capture": ("POST", self.snapshots.capture),
             "/v1/snapshot/blob": ("POST", self.snapshots.blob),
             "/v1/snapshot/prepare": ("POST", self.snapshots.prepare),
+            "/v1/snapshot/copy": ("POST", self.snapshots.copy),
             "/v1/snapshot/finish": ("POST", self.snapshots.finish),
         }
 

@@ -15,10 +15,15 @@ is scanned again and compared, so a restore that does not match fails loudly.
 
 The calls, in order: ``capture`` (listing), ``blob`` (raw bytes of one file, streamed);
 on the fresh sandbox ``prepare`` (deletions, directories, which files need content),
-``put`` (all the files to write, one streamed pack), ``finish`` (links, modes, verify, shell state).
+``put`` (all the files to write, one streamed pack) or, where the backend can place the
+blobs in a directory bound read-only into the sandbox (the local backend), ``copy``
+(the same files read from there: no HTTP body, no worker in the data path), then
+``finish`` (links, modes, verify, shell state).
 Owners, times and special files (FIFOs, sockets, devices) are not restored.
 """
 
+import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -201,7 +206,7 @@ class Snapshots:
                 left -= len(line)
                 path, size, sha, mode = _pack_head(line, left)
                 left -= size
-                self._write_one(stream, path, size, sha, mode)
+                self._write_one(_body(stream, size), path, size, sha, mode)
                 written += 1
         except errors.Unprocessable:
             req.keep_alive = req.keep_alive and left == 0  # the body was read to its end
@@ -211,17 +216,75 @@ class Snapshots:
             raise
         return {"ok": True, "files": written}
 
-    def _write_one(self, stream: Any, path: str, size: int, sha: str, mode: int) -> None:
+    def copy(self, doc: Doc) -> Doc:
+        """Write files from blobs the backend placed in a local directory (``dir``, one
+        file per SHA-256, bound read-only into this sandbox), the same files a ``put``
+        pack would carry: ``files`` is a list of ``{"p", "s", "d", "m"}``. Each blob is
+        read once, hashed and written in the same pass; its size and SHA-256 are checked
+        exactly as for a put, so a corrupted store is still caught here."""
+        src, todo = doc.get("dir"), doc.get("files")
+        if not isinstance(src, str) or not src.startswith("/") or not isinstance(todo, list):
+            raise errors.BadRequest("'dir' (absolute) and 'files' are required", "invalid_field")
+        buf = bytearray(PIECE)
+        for item in todo:
+            path, size, sha, mode = _file_head(item, 1 << 62)
+            try:
+                fd = os.open(
+                    os.path.join(src, sha),
+                    os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK,
+                )
+            except OSError as exc:
+                raise files.os_error(exc, os.path.join(src, sha)) from None
+            try:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    raise errors.BadRequest("blob %s is not a regular file" % sha, "invalid_pack")
+                self._write_one(_pieces(fd, size, buf), path, size, sha, mode)
+            finally:
+                os.close(fd)
+        return {"ok": True, "files": len(todo)}
+
+    def _write_one(self, pieces: Iterator[Any], path: str, size: int, sha: str, mode: int) -> None:
+        """One restored file: written beside its place, hashed on the way, renamed in only
+        when size and SHA-256 match. Not fsynced: a restored sandbox does not outlive its
+        host, so durability would cost the disk's bandwidth and buy nothing."""
         if os.path.islink(path):
             os.unlink(path)  # never write through a link the listing does not have
-        result = files.write_atomic(path, _body(stream, size), mode, 0)
-        if result["size"] != size or result["sha256"] != sha:
-            os.unlink(path)
-            raise errors.Unprocessable(
-                "blob for %s does not match its listing (sha256 %s, expected %s)"
-                % (path, result["sha256"], sha),
-                "blob_mismatch",
+        parent = os.path.dirname(path)
+        tmp = os.path.join(
+            parent, ".%s.restore-%s" % (os.path.basename(path)[:64], os.urandom(6).hex())
+        )
+        try:
+            os.makedirs(parent, exist_ok=True)
+            fd = os.open(
+                tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600
             )
+        except OSError as exc:
+            raise files.os_error(exc, path) from None
+        digest, got = hashlib.sha256(), 0
+        try:
+            try:
+                for piece in pieces:
+                    digest.update(piece)
+                    got += len(piece)
+                    view = memoryview(piece)
+                    while view:
+                        view = view[os.write(fd, view) :]
+                os.fchmod(fd, mode)
+            finally:
+                os.close(fd)
+            if got != size or digest.hexdigest() != sha:
+                raise errors.Unprocessable(
+                    "blob for %s does not match its listing (%d bytes, sha256 %s; expected"
+                    " %d bytes, %s)" % (path, got, digest.hexdigest(), size, sha),
+                    "blob_mismatch",
+                )
+            os.rename(tmp, path)
+        except BaseException as exc:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            if isinstance(exc, OSError):
+                raise files.os_error(exc, path) from None
+            raise
         st = os.lstat(path)
         self._known[path] = treescan.Entry(
             "f", stat.S_IMODE(st.st_mode), st.st_size, st.st_mtime_ns, st.st_ctime_ns,
@@ -291,9 +354,17 @@ def _pack_head(line: bytes, left: int) -> Tuple[str, int, str, int]:
         raise errors.BadRequest("a pack head must be one JSON line", "invalid_pack")
     try:
         head = json.loads(line.decode("utf-8", "surrogateescape"))
-        path, size, sha, mode = head["p"], head["s"], head["d"], head["m"]
-    except (ValueError, KeyError, TypeError):
+    except ValueError:
         raise errors.BadRequest("a pack head needs p, s, d and m", "invalid_pack") from None
+    return _file_head(head, left)
+
+
+def _file_head(head: Any, left: int) -> Tuple[str, int, str, int]:
+    """One file to write (a pack head or a copy item): (path, size, sha256, mode)."""
+    try:
+        path, size, sha, mode = head["p"], head["s"], head["d"], head["m"]
+    except (KeyError, TypeError):
+        raise errors.BadRequest("a file to write needs p, s, d and m", "invalid_pack") from None
     if not (
         isinstance(path, str)
         and path.startswith("/")
@@ -301,9 +372,10 @@ def _pack_head(line: bytes, left: int) -> Tuple[str, int, str, int]:
         and 0 <= size <= left
         and isinstance(sha, str)
         and len(sha) == 64
+        and all(c in "0123456789abcdef" for c in sha)
         and isinstance(mode, int)
     ):
-        raise errors.BadRequest("a pack head is malformed or runs past the body", "invalid_pack")
+        raise errors.BadRequest("a file head is malformed or runs past the body", "invalid_pack")
     return path, size, sha, mode & 0o7777
 
 
@@ -354,6 +426,21 @@ def _raw(fd: int, size: int) -> Iterator[bytes]:
             yield data
     finally:
         os.close(fd)
+
+
+def _pieces(fd: int, size: int, buf: bytearray) -> Iterator[Any]:
+    """``size`` bytes of ``fd`` (a blob), in one reused buffer; a short blob stops early
+    and the size check reports it."""
+    view = memoryview(buf)
+    left = size
+    while left:
+        n = os.readv(fd, [view[: min(PIECE, left)]])
+        if not n:
+            return
+        left -= n
+        yield view[:n]
+    if os.read(fd, 1):
+        yield b"\0"  # longer than listed: the size check fails
 
 
 def _body(stream: Any, size: int) -> Iterator[bytes]:

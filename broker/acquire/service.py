@@ -25,6 +25,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy.orm import Session, sessionmaker
@@ -33,7 +34,7 @@ from broker import failpoints
 from broker.acquire.cancel import CancelWatcher
 from broker.acquire.fairshare import FairQueue, default_gate
 from broker.acquire.idle import IdleReclaimer
-from broker.backends.base import Backend
+from broker.backends.base import INBOX, Backend, BlobInbox
 from broker.errors import (
     AcquireTimeout,
     AtCapacity,
@@ -170,6 +171,7 @@ class Broker:
                 installation=self.settings.installation_id,
                 default_ttl_s=self.settings.snapshot_ttl_s,
                 failpoint=failpoints.armed(self.settings.failpoint),
+                inbox_for=self._inbox,
             )
         return self._snapshots
 
@@ -179,6 +181,14 @@ class Broker:
 
         with typed_errors():
             return weights.sync(self.sessions, self.redis)
+
+    def _inbox(self, row: Sandbox) -> tuple[Path, str] | None:
+        """The sandbox's blob inbox, when its backend has one (the local backend)."""
+        backend = self.provider.backend
+        if not self.settings.snapshot_local_copy or not isinstance(backend, BlobInbox):
+            return None
+        host = backend.blob_inbox(row.pod_name)
+        return None if host is None else (host, INBOX)
 
     # -- acquire ----------------------------------------------------------------------
 

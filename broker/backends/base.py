@@ -11,7 +11,8 @@ from __future__ import annotations
 import datetime as dt
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
 
 # Label keys (defined in broker.names), re-exported: the backends speak in labels.
 from broker.names import (
@@ -149,6 +150,21 @@ FATAL_REASONS = frozenset(
         "CrashLoopBackOff",
     }
 )
+
+
+@runtime_checkable
+class BlobInbox(Protocol):
+    """A backend whose sandboxes share the host's disk (the local one): each sandbox sees
+    a directory of its own read-only (``INBOX`` inside), where a restore hard-links the
+    blobs it needs, so execd copies them from disk instead of an HTTP stream."""
+
+    def blob_inbox(self, name: str) -> Path | None:
+        """The host directory of sandbox ``name``'s inbox; None when it has none (it was
+        created without one)."""
+        ...
+
+
+INBOX = "/sandman/inbox"
 
 
 class Backend(Protocol):

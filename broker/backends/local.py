@@ -47,6 +47,7 @@ from typing import Any
 from broker import failpoints
 from broker.backends import localnet, localprocs
 from broker.backends.base import (
+    INBOX,
     LABEL_INSTALLATION,
     LABEL_NONCE,
     MANAGED_BY,
@@ -316,6 +317,17 @@ class LocalBackend:
     def _workspace(self, name: str) -> Path:
         return self.root / name / "workspace"
 
+    def _inbox(self, name: str) -> Path:
+        return self.root / name / "inbox"
+
+    def blob_inbox(self, name: str) -> Path | None:
+        """Where a restore hard-links the blobs sandbox ``name`` needs: bound read-only
+        at ``INBOX`` inside it (no capability to remount it writable, and a hard link
+        cannot cross mounts), so the sandbox reads those blobs and nothing else of the
+        store, and can write none of them. Removed with the sandbox."""
+        inbox = self._inbox(name)
+        return inbox if inbox.is_dir() else None
+
     def _unpacked(self, spec: PodSpec) -> tuple[Path, list[str]] | None:
         """The image's unpacked root and its ``Env``, resolved ONCE (a tag re-imported
         meanwhile cannot mix two digests), unpacked now if this is its first use (None
@@ -404,6 +416,9 @@ class LocalBackend:
             "--ro-bind",
             str(self.execd_dir),
             "/sandman/execd",
+            "--ro-bind",
+            str(self._inbox(spec.name)),
+            INBOX,
             "--unshare-pid",
             "--unshare-ipc",
             "--unshare-uts",
@@ -519,6 +534,7 @@ class LocalBackend:
                     raise KubeUnavailable(f"local pod {spec.name} was deleted before it started")
                 workspace = self._workspace(spec.name)
                 workspace.mkdir(parents=True, exist_ok=True)
+                self._inbox(spec.name).mkdir(mode=0o700, exist_ok=True)
                 root = None if unpacked is None else self._sandbox_root(spec, unpacked[0])
                 image_env = None if unpacked is None else unpacked[1]
                 log = (self.root / spec.name / "execd.log").open("ab")

@@ -26,7 +26,12 @@ from __future__ import annotations
 import datetime as dt
 import json
 import logging
+import os
+import secrets
+import shutil
+import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -46,7 +51,7 @@ from broker.errors import (
 from broker.ledger import store as ledger
 from broker.ledger.models import Job, Sandbox, Snapshot, Tenant, utcnow
 from broker.ledger.states import State
-from broker.snapshots.store import BlobStore, manifest_blobs
+from broker.snapshots.store import BlobStore, LocalBlobs, manifest_blobs
 from broker.wire.execd import Call, Endpoint, decode, shared_http, transport_failure
 
 log = logging.getLogger(__name__)
@@ -57,6 +62,8 @@ CALL_S = 600.0  # a listing or a verify of a large tree hashes everything once
 HELD = (State.READY,)  # handed out or warm: a live sandbox whose execd answers
 CORRUPT_CODES = frozenset({"blob_mismatch", "restore_mismatch"})
 MAX_TTL_S = 90 * 86400.0
+# A sandbox's inbox: its host directory and where the sandbox sees it (read-only).
+Inbox = tuple[Path, str]
 
 
 def summary(row: Snapshot) -> dict[str, Any]:
@@ -94,6 +101,7 @@ class SnapshotService:
         default_ttl_s: float = 86400.0,
         failpoint: Callable[[str], None] = failpoints.off,
         http: httpx.Client | None = None,
+        inbox_for: Callable[[Sandbox], Inbox | None] = lambda row: None,
     ) -> None:
         self.sessions = sessions
         self.store = store
@@ -102,6 +110,7 @@ class SnapshotService:
         self.default_ttl_s = default_ttl_s
         self.failpoint = failpoint
         self.http = http or shared_http()
+        self.inbox_for = inbox_for
 
     # -- execd -------------------------------------------------------------------------
 
@@ -172,6 +181,37 @@ class SnapshotService:
             if exc.error_code in CORRUPT_CODES:
                 raise SnapshotCorrupt(str(exc)) from exc
             raise
+
+    def _copy_local(
+        self, row: Sandbox, ep: Endpoint, need: list[dict[str, Any]], modes: dict[str, int]
+    ) -> bool:
+        """The files a restore needs, without streaming them: when the store's blobs are
+        files on this host and the backend gives the sandbox an inbox on the same disk,
+        hard-link the needed blobs (and only those) into a fresh directory of it, and
+        execd copies and verifies them from there. False when that is not possible (an
+        S3 store, Kubernetes, another filesystem): the caller streams instead."""
+        inbox = self.inbox_for(row)
+        if inbox is None or not isinstance(self.store, LocalBlobs):
+            return False
+        host, inside = inbox
+        drop = host / secrets.token_hex(8)
+        try:
+            drop.mkdir()
+            for sha in {e["d"] for e in need}:
+                os.link(self.store.local_path(sha), drop / sha)
+        except OSError as exc:
+            log.info("restore into %s streams its blobs: %s", row.id, exc)
+            shutil.rmtree(drop, ignore_errors=True)
+            return False
+        except BaseException:
+            shutil.rmtree(drop, ignore_errors=True)
+            raise
+        files = [{"p": e["p"], "s": int(e["s"]), "d": e["d"], "m": modes[e["p"]]} for e in need]
+        try:
+            self._call(ep, "/v1/snapshot/copy", {"dir": f"{inside}/{drop.name}", "files": files})
+        finally:
+            shutil.rmtree(drop, ignore_errors=True)
+        return True
 
     # -- capture -----------------------------------------------------------------------
 
@@ -300,11 +340,23 @@ class SnapshotService:
         if manifest is None:
             raise SnapshotCorrupt(f"snapshot {snapshot_id} has no manifest in the store")
         listing = {"roots": manifest["roots"], "entries": manifest["entries"]}
+        t0 = time.perf_counter()
         need = self._call(ep, "/v1/snapshot/prepare", listing)["need"]
         self.failpoint("restore-after-prepare")
+        t1, how = time.perf_counter(), "nothing"
         if need:
-            self._push(ep, need, {e["p"]: int(e["m"]) for e in manifest["entries"]})
+            modes = {e["p"]: int(e["m"]) for e in manifest["entries"]}
+            how = "copied"
+            if not self._copy_local(row, ep, need, modes):
+                self._push(ep, need, modes)
+                how = "streamed"
+        t2 = time.perf_counter()
         self._call(ep, "/v1/snapshot/finish", {**listing, "session": manifest["session"]})
+        log.info(
+            "restore %s into %s: prepare %.3fs, %d files (%d bytes) %s in %.3fs, finish %.3fs",
+            snapshot_id, sandbox_id, t1 - t0, len(need), sum(int(e["s"]) for e in need), how,
+            t2 - t1, time.perf_counter() - t2,
+        )  # fmt: skip
         return {"snapshot": snap, "written": len(need)}
 
     # -- ownership ---------------------------------------------------------------------

@@ -28,7 +28,7 @@ import os
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from broker.errors import SnapshotCorrupt, SnapshotFailed
 from broker.settings import Settings, parse_snapshot_store
@@ -104,6 +104,17 @@ def changed_during_capture(got: str, sha: str) -> SnapshotFailed:
     )
 
 
+@runtime_checkable
+class LocalBlobs(Protocol):
+    """A store whose blobs are files on this host (the filesystem store; not S3): a
+    restore on a backend that shares the disk can hand them to execd without streaming."""
+
+    def local_path(self, sha: str) -> Path:
+        """The blob's file (SnapshotCorrupt when it is missing). Never written through:
+        callers hard-link it into a directory the sandbox sees read-only."""
+        ...
+
+
 class FsBlobStore:
     """Blobs and manifests under ``root`` (``<state dir>/snapshots`` by default)."""
 
@@ -163,6 +174,12 @@ class FsBlobStore:
         with f:
             while piece := f.read(PIECE):
                 yield piece
+
+    def local_path(self, sha: str) -> Path:
+        path = self._blob(sha)
+        if not path.is_file():
+            raise SnapshotCorrupt(f"blob {sha} is missing from the store")
+        return path
 
     def size(self, sha: str) -> int:
         try:

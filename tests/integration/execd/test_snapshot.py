@@ -132,3 +132,94 @@ def test_a_wrong_blob_or_a_tampered_tree_is_refused(small_body_daemon: Any) -> N
     )
     assert (code, doc["error"]["code"]) == (422, "restore_mismatch")
     assert "differs " + str(work / "f") in doc["error"]["message"]
+
+
+def _blob_dir(tmp: Path, blobs: list[bytes]) -> Path:
+    """A directory of blobs named by SHA-256, as the local backend's inbox holds them."""
+    tmp.mkdir()
+    for data in blobs:
+        (tmp / hashlib.sha256(data).hexdigest()).write_bytes(data)
+    return tmp
+
+
+def _copy(c: Client, src: Path, need: list[dict[str, Any]], modes: dict[str, int]) -> Any:
+    files = [{**n, "m": modes[n["p"]]} for n in need]
+    return c.request("POST", "/v1/snapshot/copy", {"dir": str(src), "files": files})
+
+
+def test_a_restore_copies_its_blobs_from_a_local_directory(
+    small_body_daemon: Any, tmp_path: Path
+) -> None:
+    c = small_body_daemon.client()
+    work = small_body_daemon.workdir
+    big, small = os.urandom(3 * LIMIT + 17), b"print(1)\n"
+    (work / "big.bin").write_bytes(big)
+    (work / "a.py").write_bytes(small)
+    (work / "same.py").write_bytes(small)
+    os.chmod(work / "a.py", 0o640)
+    listing = c.post("/v1/snapshot/capture")
+    for name in ("big.bin", "a.py", "same.py"):
+        (work / name).unlink()
+    body = {"roots": listing["roots"], "entries": listing["entries"]}
+    need = c.post("/v1/snapshot/prepare", body)["need"]
+    assert len(need) == 3
+    src = _blob_dir(tmp_path / "inbox", [big, small])
+    code, doc = _copy(c, src, need, {e["p"]: e["m"] for e in listing["entries"]})
+    assert (code, doc["files"]) == (200, 3), doc
+    assert c.request("POST", "/v1/snapshot/finish", body)[0] == 200
+    assert (work / "big.bin").read_bytes() == big
+    assert (work / "same.py").read_bytes() == small
+    assert oct(os.stat(work / "a.py").st_mode & 0o7777) == oct(0o640)
+    assert sorted(os.listdir(src)) == sorted(hashlib.sha256(d).hexdigest() for d in (big, small))
+
+
+@pytest.mark.parametrize(
+    "corrupt",
+    [
+        lambda data: b"X" + data[1:],  # same size, other bytes
+        lambda data: data[:-1],  # shorter
+        lambda data: data + b"!",  # longer
+    ],
+    ids=["flipped", "short", "long"],
+)
+def test_a_corrupted_local_blob_is_refused_and_nothing_is_written(
+    small_body_daemon: Any, tmp_path: Path, corrupt: Any
+) -> None:
+    c = small_body_daemon.client()
+    work = small_body_daemon.workdir
+    data = os.urandom(LIMIT + 5)
+    (work / "f").write_bytes(data)
+    listing = c.post("/v1/snapshot/capture")
+    (work / "f").unlink()
+    body = {"roots": listing["roots"], "entries": listing["entries"]}
+    need = c.post("/v1/snapshot/prepare", body)["need"]
+    src = tmp_path / "inbox"
+    src.mkdir()
+    (src / hashlib.sha256(data).hexdigest()).write_bytes(corrupt(data))
+    code, doc = _copy(c, src, need, {e["p"]: e["m"] for e in listing["entries"]})
+    assert (code, doc["error"]["code"]) == (422, "blob_mismatch"), doc
+    assert sorted(os.listdir(work)) == []  # neither the file nor a temporary one
+    assert c.exec("echo same connection")["stdout"] == "same connection\n"
+
+
+def test_a_local_blob_that_is_a_link_or_missing_is_refused(
+    small_body_daemon: Any, tmp_path: Path
+) -> None:
+    c = small_body_daemon.client()
+    work = small_body_daemon.workdir
+    (work / "f").write_bytes(b"content")
+    listing = c.post("/v1/snapshot/capture")
+    (work / "f").unlink()
+    body = {"roots": listing["roots"], "entries": listing["entries"]}
+    need = c.post("/v1/snapshot/prepare", body)["need"]
+    modes = {e["p"]: e["m"] for e in listing["entries"]}
+    src = tmp_path / "inbox"
+    src.mkdir()
+    code, doc = _copy(c, src, need, modes)
+    assert (code, doc["error"]["code"]) == (404, "file_not_found"), doc
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.write_bytes(b"content")
+    (src / hashlib.sha256(b"content").hexdigest()).symlink_to(elsewhere)
+    code, doc = _copy(c, src, need, modes)
+    assert code == 400, doc  # O_NOFOLLOW: a link planted in the directory is not followed
+    assert not (work / "f").exists()

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import shlex
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from broker.errors import SandmanError
 from broker.ledger import store
+from broker.ledger.models import Sandbox
 from broker.settings import Settings
 from tests.integration.client.test_transports import Handle, Trainer
 from tests.support.images import SWE_IMAGE
@@ -86,6 +88,45 @@ def test_fork_carries_every_change_and_forks_are_independent(
         assert _out(handles[0], seen) == "only-in-fork-0\n"
         assert _out(handles[1], seen) == "run.sh\n"  # fork 0's write and delete are its own
         assert _out(sb, seen) == "run.sh\n"
+    finally:
+        for fork in forks:
+            if not isinstance(fork, SandmanError):
+                Handle(fork, trainer.run).release()
+        sb.release()
+
+
+def test_a_restore_reads_its_blobs_from_a_read_only_inbox_and_no_more_of_the_store(
+    make_trainer: Callable[..., Trainer], sessions: Any, stack: Settings
+) -> None:
+    """The local backend's restore hard-links the blobs into the fork's own inbox (bound
+    read-only at /sandman/inbox) and removes them after: the fork cannot write there,
+    finds it empty, and sees nothing of the store."""
+    trainer = make_trainer(owner="inbox")
+    job = _job(sessions, f"inbox-{trainer.flavour}")
+    sb = trainer.open(image=SWE_IMAGE, job=job, workdir="/repo", timeout=120)
+    forks: list[Any] = []
+    try:
+        sb.write_file("/repo/data.bin", b"inbox content\n" * 1000)
+        forks = sb.fork(1)
+        assert not isinstance(forks[0], SandmanError), forks
+        fork = Handle(forks[0], trainer.run)
+        assert fork.read_text("/repo/data.bin") == "inbox content\n" * 1000
+        with sessions() as session:
+            row = session.get(Sandbox, fork.id)
+            assert row is not None
+            pod = Path(stack.state_dir) / "local-pods" / row.pod_name
+        # The restore made and removed its directory of links there after the start.
+        assert (pod / "inbox").stat().st_mtime_ns > (
+            pod.parent / f"{row.pod_name}.json"
+        ).stat().st_mtime_ns
+        assert list((pod / "inbox").iterdir()) == []
+        assert _out(fork, "ls -A /sandman/inbox") == ""
+        denied = fork.exec("touch /sandman/inbox/x || mkdir /sandman/inbox/d")
+        assert denied.exit_code != 0 and "Read-only file system" in denied.stderr
+        store_dir = Path(stack.state_dir) / "snapshots"
+        assert _out(fork, f"test -e {shlex.quote(str(store_dir))} && echo seen || echo hidden") == (
+            "hidden\n"
+        )
     finally:
         for fork in forks:
             if not isinstance(fork, SandmanError):
