@@ -152,7 +152,9 @@ class SnapshotService:
         length = sum(len(h) + self.store.size(e["d"]) for h, e in zip(heads, need, strict=True))
 
         def pack() -> Iterator[bytes]:
-            for head, entry in zip(heads, need, strict=True):
+            for i, (head, entry) in enumerate(zip(heads, need, strict=True)):
+                if i:
+                    self.failpoint("restore-mid-put")
                 yield head
                 yield from self.store.chunks(entry["d"])
 
@@ -260,6 +262,8 @@ class SnapshotService:
             if sha in seen or self.store.touch(sha):
                 seen.add(sha)
                 continue
+            if stored:
+                self.failpoint("snapshot-between-blobs")
             stored += self._pull(ep, entry["p"], sha)
             seen.add(sha)
         return stored
