@@ -105,7 +105,7 @@ class Snapshots:
     def _roots(self, doc: Doc) -> List[str]:
         roots = doc.get("roots")
         if roots is None:
-            return default_roots(self.workdir)
+            return normal_roots(default_roots(self.workdir))  # a workdir of / is refused
         if (
             not isinstance(roots, list)
             or not roots

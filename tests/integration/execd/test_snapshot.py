@@ -132,3 +132,26 @@ def test_a_wrong_blob_or_a_tampered_tree_is_refused(small_body_daemon: Any) -> N
     )
     assert (code, doc["error"]["code"]) == (422, "restore_mismatch")
     assert "differs " + str(work / "f") in doc["error"]["message"]
+
+
+def test_a_missing_workdir_is_made_and_a_workdir_of_root_is_never_a_default_root(
+    tmp_path: Path,
+) -> None:
+    """A pod's default workdir (/workspace) is made by execd when the image lacks it; a
+    workdir of / must not make a capture walk the whole filesystem (/proc included)."""
+    made = tmp_path / "made" / "workspace"
+    d = Daemon(tmp_path, args=["--workdir", str(made), "--make-workdir"])
+    try:
+        c = d.client()
+        assert c.exec("pwd")["stdout"] == f"{made}\n"
+        assert c.post("/v1/snapshot/capture")["roots"] == [str(made)]
+    finally:
+        d.stop()
+    (tmp_path / "root").mkdir()
+    root = Daemon(tmp_path / "root", workdir=Path("/"))
+    try:
+        code, doc = root.client().request("POST", "/v1/snapshot/capture", {})
+        assert (code, doc["error"]["code"]) == (400, "invalid_field"), doc
+        assert "cannot be /" in doc["error"]["message"]
+    finally:
+        root.stop()
