@@ -16,7 +16,8 @@ is scanned again and compared, so a restore that does not match fails loudly.
 The calls, in order: ``capture`` (listing), ``blob`` (raw bytes of one file, streamed);
 on the fresh sandbox ``prepare`` (deletions, directories, which files need content),
 ``put`` (all the files to write, one streamed pack), ``finish`` (links, modes, verify, shell state).
-Owners, times and special files (FIFOs, sockets, devices) are not restored.
+Owners, times and special files (FIFOs, sockets, devices) are not restored, nor the
+variables that name the sandbox itself (``OWN_VARS``: the new sandbox keeps its own).
 """
 
 import json
@@ -33,6 +34,9 @@ from .validate import Doc
 PIECE = 1 << 20
 MAX_REPORT = 50
 MAX_HEAD = 65536  # one file's JSON head in a put pack
+# Exported variables naming the sandbox itself, not its state: a restore keeps the new
+# sandbox's own (a pod's HOSTNAME is its name; a fork must not take its source's).
+OWN_VARS = frozenset({"HOSTNAME"})
 
 
 def git_top(path: str) -> Optional[str]:
@@ -261,7 +265,9 @@ class Snapshots:
         fresh = sessionstate.capture(self.shell)
         if fresh is None:
             raise errors.Unavailable("could not read the session state", "session_unreadable")
-        base = sessionstate.SessionState(cwd=saved.get("cwd", "/"), env=saved.get("env", {}))
+        env = {k: v for k, v in saved.get("env", {}).items() if k not in OWN_VARS}
+        env.update((k, v) for k, v in fresh["env"].items() if k in OWN_VARS)
+        base = sessionstate.SessionState(cwd=saved.get("cwd", "/"), env=env)
         status, _ = self.shell.query(sessionstate.apply_script(base, fresh))
         if status != 0:
             raise errors.Unprocessable("could not restore the shell's cwd and environment")

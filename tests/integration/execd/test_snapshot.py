@@ -155,3 +155,23 @@ def test_a_missing_workdir_is_made_and_a_workdir_of_root_is_never_a_default_root
         assert "cannot be /" in doc["error"]["message"]
     finally:
         root.stop()
+
+
+def test_a_restore_keeps_the_new_sandboxs_own_hostname(tmp_path: Path) -> None:
+    """A pod's HOSTNAME is its name: a fork takes its source's exports, not its name."""
+    dirs = [tmp_path / "source", tmp_path / "fork"]
+    for d in dirs:
+        d.mkdir()
+    source = Daemon(dirs[0], env={"HOSTNAME": "source-pod"})
+    fork = Daemon(dirs[1], env={"HOSTNAME": "fork-pod"}, workdir=source.workdir)
+    try:
+        source.client().exec("export AGENT_VAR=kept")
+        listing = source.client().post("/v1/snapshot/capture")
+        assert "HOSTNAME" in listing["session"]["env"]  # captured, and not restored
+        c = fork.client()
+        _, (code, doc) = _restore(c, listing, {})
+        assert code == 200, doc
+        assert c.exec('echo "$HOSTNAME $AGENT_VAR"')["stdout"] == "fork-pod kept\n"
+    finally:
+        source.stop()
+        fork.stop()
