@@ -40,7 +40,7 @@ from broker.ledger.states import State
 from broker.names import Queue
 from broker.ownership.gc import run_gc
 from broker.ownership.provider import Provider
-from broker.snapshots.service import LIVE_STATES
+from broker.snapshots.service import CAPTURING, LIVE_STATES
 from broker.snapshots.store import default_store, manifest_blobs
 from tests.support.ownbroker import OwnBroker
 from tests.support.wait import wait_until
@@ -126,6 +126,8 @@ def kill_mid_fork(
         else:
             assert list(states.values()) == ["ready"]  # the snapshot itself was complete
             assert all(store.has(sha) for sha in shas)
+        with sessions() as session:  # no capture left hanging, of any job
+            assert not session.scalars(select(Snapshot.id).where(Snapshot.state == CAPTURING)).all()
         live = {i for i, s in states.items() if s in LIVE_STATES}
         named: set[str] = set()
         for snap_id in live:
