@@ -103,4 +103,6 @@ def test_postgres_stops_after_an_ancestor_lost_its_reach() -> None:
         parent.chmod(0o711)  # a failed stop above must not leave it running
         stop_redis(settings)
         stop_postgres(settings)
+        redis_pid = settings.state_dir / "redis" / "redis.pid"
+        wait_until(lambda: not redis_pid.exists(), 30, what="redis stopped")  # it saves first
         shutil.rmtree(parent, ignore_errors=True)
