@@ -18,8 +18,11 @@ Production leaves the setting empty and every point is a no-op. The points:
   before-ready-commit     the sandbox answers, the row is not ``ready`` yet
   after-releasing-commit  the row is ``releasing``, no delete was sent
   after-delete-sent       the delete was sent, not confirmed
+  snapshot-between-blobs  a capture stored its first blob, more to go; the row ``capturing``
   snapshot-after-blobs    a capture stored its blobs, no manifest, the row ``capturing``
   restore-after-prepare   a restore's sandbox was prepared, no file written yet
+  restore-mid-put         a restore's put pack sent its first file, the rest unsent (execd
+                          holds a half-read body and a half-restored tree)
 """
 
 from __future__ import annotations
@@ -38,8 +41,10 @@ POINTS = (
     "before-ready-commit",
     "after-releasing-commit",
     "after-delete-sent",
+    "snapshot-between-blobs",
     "snapshot-after-blobs",
     "restore-after-prepare",
+    "restore-mid-put",
 )
 EXIT_CODE = 86  # recognisable in a supervisor's log: "exit code 86" is a failpoint
 

@@ -57,6 +57,12 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
         "(the local backend binds it outside the sandbox's network namespace)",
     )
     p.add_argument("--workdir", default=None, help="the session's starting directory")
+    p.add_argument(
+        "--make-workdir",
+        action="store_true",
+        help="create --workdir (and its parents) when the image lacks it: a pod's default "
+        "/workspace, like the local backend's bound empty workspace",
+    )
     p.add_argument("--max-body-bytes", type=int, default=64 * 1024 * 1024)
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     p.add_argument(
@@ -214,6 +220,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not os.access(bash, os.X_OK):
         raise SystemExit("execd: bash not found")
     workdir = os.path.abspath(args.workdir or os.getcwd())
+    if args.make_workdir:
+        with contextlib.suppress(OSError):  # not ours to create: refused just below
+            os.makedirs(workdir, exist_ok=True)
     if not os.path.isdir(workdir):
         raise SystemExit("execd: --workdir %s is not a directory" % workdir)
     umask = os.umask(0o022)

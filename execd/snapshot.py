@@ -19,7 +19,8 @@ on the fresh sandbox ``prepare`` (deletions, directories, which files need conte
 blobs in a directory bound read-only into the sandbox (the local backend), ``copy``
 (the same files read from there: no HTTP body, no worker in the data path), then
 ``finish`` (links, modes, verify, shell state).
-Owners, times and special files (FIFOs, sockets, devices) are not restored.
+Owners, times and special files (FIFOs, sockets, devices) are not restored, nor the
+variables that name the sandbox itself (``OWN_VARS``: the new sandbox keeps its own).
 """
 
 import contextlib
@@ -38,6 +39,9 @@ from .validate import Doc
 PIECE = 1 << 20
 MAX_REPORT = 50
 MAX_HEAD = 65536  # one file's JSON head in a put pack
+# Exported variables naming the sandbox itself, not its state: a restore keeps the new
+# sandbox's own (a pod's HOSTNAME is its name; a fork must not take its source's).
+OWN_VARS = frozenset({"HOSTNAME"})
 
 
 def git_top(path: str) -> Optional[str]:
@@ -110,7 +114,7 @@ class Snapshots:
     def _roots(self, doc: Doc) -> List[str]:
         roots = doc.get("roots")
         if roots is None:
-            return default_roots(self.workdir)
+            return normal_roots(default_roots(self.workdir))  # a workdir of / is refused
         if (
             not isinstance(roots, list)
             or not roots
@@ -324,7 +328,9 @@ class Snapshots:
         fresh = sessionstate.capture(self.shell)
         if fresh is None:
             raise errors.Unavailable("could not read the session state", "session_unreadable")
-        base = sessionstate.SessionState(cwd=saved.get("cwd", "/"), env=saved.get("env", {}))
+        env = {k: v for k, v in saved.get("env", {}).items() if k not in OWN_VARS}
+        env.update((k, v) for k, v in fresh["env"].items() if k in OWN_VARS)
+        base = sessionstate.SessionState(cwd=saved.get("cwd", "/"), env=env)
         status, _ = self.shell.query(sessionstate.apply_script(base, fresh))
         if status != 0:
             raise errors.Unprocessable("could not restore the shell's cwd and environment")

@@ -363,6 +363,11 @@ def _ensure_database(url: str, name: str) -> None:
 def stop_postgres(settings: Settings) -> None:
     data = settings.state_dir / "postgres" / "data"
     if (data / "postmaster.pid").exists():
+        if _pg_gid() is not None:
+            # pg_ctl runs as the system user and needs the reach the start gave it; an
+            # ancestor may have lost o+x since (pytest makes /tmp/pytest-of-<user> 0700
+            # again at each session's start), and a failed stop leaves PostgreSQL running.
+            _allow_traverse_ancestors(settings.state_dir)
         subprocess.run(
             [str(_pg_bin() / "pg_ctl"), "-D", str(data), "-m", "fast", "-w", "stop"],
             check=False,

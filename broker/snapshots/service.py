@@ -163,7 +163,9 @@ class SnapshotService:
         length = sum(len(h) + self.store.size(e["d"]) for h, e in zip(heads, need, strict=True))
 
         def pack() -> Iterator[bytes]:
-            for head, entry in zip(heads, need, strict=True):
+            for i, (head, entry) in enumerate(zip(heads, need, strict=True)):
+                if i:
+                    self.failpoint("restore-mid-put")
                 yield head
                 yield from self.store.chunks(entry["d"])
 
@@ -301,9 +303,12 @@ class SnapshotService:
         stored = 0
         for entry in files:
             sha = entry["d"]
-            if sha not in seen:
-                stored += self._pull(ep, entry["p"], sha)
-                seen.add(sha)
+            if sha in seen:
+                continue
+            if stored:
+                self.failpoint("snapshot-between-blobs")
+            stored += self._pull(ep, entry["p"], sha)
+            seen.add(sha)
         return stored
 
     def _settle(self, snap_id: str, state: str, error: str | None = None) -> None:

@@ -8,7 +8,9 @@ run; on a developer machine the cluster tests are skipped with the reason.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import secrets
 import signal
 import subprocess
@@ -160,10 +162,38 @@ def default_sa_exists(core_v1: Any, namespace: str) -> bool:
 @pytest.fixture
 def namespace(core_v1: Any, request: pytest.FixtureRequest) -> Iterator[str]:
     """A fresh namespace for one test, deleted afterwards."""
+    with fresh_namespace(core_v1, request.node.name) as name:
+        yield name
+
+
+@pytest.fixture(scope="session")
+def registry_setting(kubeconfig_path: str) -> str:
+    """``SANDMAN_REGISTRIES`` for the local cluster's loopback registry (up.sh writes it
+    beside the kubeconfig): the broker resolves ``localhost/...`` tags to digests there."""
+    path = Path(kubeconfig_path).parent / "registries"
+    assert path.is_file(), f"up.sh writes {path}"
+    return path.read_text().strip()
+
+
+def image_tarball(ref: str) -> Path:
+    """The docker-archive deploy/images/build.sh made for ``ref`` (to push elsewhere)."""
+    from broker.settings import Settings
+
+    index = Settings().cache_dir / "images/index.tsv"
+    for line in index.read_text().splitlines():
+        name, _, tarball = line.partition("\t")
+        if name == ref:
+            return Path(tarball)
+    raise AssertionError(f"{ref} is not in {index}")
+
+
+@contextlib.contextmanager
+def fresh_namespace(core_v1: Any, base: str) -> Iterator[str]:
+    """A namespace named after ``base`` (made unique), deleted afterwards."""
     from kubernetes import client
     from kubernetes.client.exceptions import ApiException
 
-    base = request.node.name.lower().replace("_", "-")[:40].strip("-")
+    base = re.sub(r"[^a-z0-9]+", "-", base.lower())[:40].strip("-")
     name = f"lc-{base}-{secrets.token_hex(3)}"
     core_v1.create_namespace(
         client.V1Namespace(
@@ -175,9 +205,11 @@ def namespace(core_v1: Any, request: pytest.FixtureRequest) -> Iterator[str]:
     # the namespace's "default" ServiceAccount (even with automountServiceAccountToken
     # false), so wait for it.
     wait_until(lambda: default_sa_exists(core_v1, name), 60, what=f"serviceaccount {name}/default")
-    yield name
     try:
-        core_v1.delete_namespace(name, grace_period_seconds=0)
-    except ApiException as exc:
-        if exc.status != 404:
-            raise
+        yield name
+    finally:
+        try:
+            core_v1.delete_namespace(name, grace_period_seconds=0)
+        except ApiException as exc:
+            if exc.status != 404:
+                raise

@@ -10,7 +10,6 @@ is gone fails as ImagePullFailed as soon as the node says so.
 from __future__ import annotations
 
 import secrets
-from pathlib import Path
 
 import pytest
 from sqlalchemy import func, select
@@ -24,17 +23,10 @@ from broker.ownership.provider import Provider
 from broker.settings import Settings
 from broker.wire.execd import execd_answers
 from broker.wire.request import AcquireRequest
-from tests.cluster.conftest import REAL_NODE_SELECTOR, TASK_BASE_IMAGE
+from tests.cluster.conftest import REAL_NODE_SELECTOR, TASK_BASE_IMAGE, image_tarball
 from tests.support.registry import LoopbackRegistry, tiny_image
 
 pytestmark = pytest.mark.cluster
-
-
-@pytest.fixture(scope="module")
-def registry_setting(kubeconfig_path: str) -> str:
-    path = Path(kubeconfig_path).parent / "registries"
-    assert path.is_file(), f"up.sh writes {path}"
-    return path.read_text().strip()
 
 
 @pytest.fixture(scope="module")
@@ -63,18 +55,9 @@ def _request(image: str) -> AcquireRequest:
     return AcquireRequest.new(job="real-pull", image=image, cpu=0.25, memory="256Mi")
 
 
-def _task_base_tarball() -> Path:
-    index = Settings().cache_dir / "images/index.tsv"
-    for line in index.read_text().splitlines():
-        ref, _, tarball = line.partition("\t")
-        if ref == TASK_BASE_IMAGE:
-            return Path(tarball)
-    raise AssertionError(f"{TASK_BASE_IMAGE} is not in {index}")
-
-
 def test_a_cold_create_pulls_by_digest_and_the_ledger_records_it(provider, sessions, registry):
     name = f"sandman-pulltest-{secrets.token_hex(3)}:v1"
-    digest = registry.push(_task_base_tarball(), name)
+    digest = registry.push(image_tarball(TASK_BASE_IMAGE), name)
     image = f"localhost/{name}"
     sids = []
     try:
@@ -136,7 +119,7 @@ def test_a_hot_image_is_pre_pulled_so_the_first_create_does_not_pull(provider, s
     from tests.support.wait import wait_until
 
     name = f"sandman-hot-{secrets.token_hex(3)}:v1"
-    digest = registry.push(_task_base_tarball(), name)
+    digest = registry.push(image_tarball(TASK_BASE_IMAGE), name)
     image = f"localhost/{name}"
     namespace = provider.settings.namespace
     with sessions.begin() as s:

@@ -28,6 +28,7 @@ from broker.backends.base import (
 
 EXECD_MOUNT = "/opt/sandman"
 TOKEN_DIR = "/var/run/sandman-execd"  # noqa: S105 (where the Secret is mounted)
+DEFAULT_WORKDIR = "/workspace"  # the request's default "/", as on the local backend
 TOKEN_KEY = "token"  # noqa: S105 (the key inside the Secret)
 EXECD_DIR = Path(__file__).resolve().parents[3] / "execd"
 
@@ -175,6 +176,14 @@ def egress_policy(job: str, installation: str, allow: list[str]) -> dict[str, An
     }
 
 
+def pod_workdir(requested: str) -> str:
+    """The pod's working directory: the request's, or for the default ``/`` the
+    ``/workspace`` the local backend gives too (execd creates it when the image lacks
+    it). Never ``/``: a snapshot's default root is the workdir, and ``/`` would be the
+    whole filesystem (``/proc`` included)."""
+    return DEFAULT_WORKDIR if requested.rstrip("/") == "" else requested
+
+
 def pod_manifest(
     spec: PodSpec, *, execd_configmap: str, execd_keys: list[str], port: int, owner_uid: str
 ) -> dict[str, Any]:
@@ -227,7 +236,8 @@ def pod_manifest(
                         "--listen",
                         f"0.0.0.0:{port}",
                         "--workdir",
-                        spec.workdir,
+                        pod_workdir(spec.workdir),
+                        "--make-workdir",
                     ],
                     "env": env,
                     "ports": [{"name": "execd", "containerPort": port}],

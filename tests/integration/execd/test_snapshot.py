@@ -223,3 +223,46 @@ def test_a_local_blob_that_is_a_link_or_missing_is_refused(
     code, doc = _copy(c, src, need, modes)
     assert code == 400, doc  # O_NOFOLLOW: a link planted in the directory is not followed
     assert not (work / "f").exists()
+
+
+def test_a_missing_workdir_is_made_and_a_workdir_of_root_is_never_a_default_root(
+    tmp_path: Path,
+) -> None:
+    """A pod's default workdir (/workspace) is made by execd when the image lacks it; a
+    workdir of / must not make a capture walk the whole filesystem (/proc included)."""
+    made = tmp_path / "made" / "workspace"
+    d = Daemon(tmp_path, args=["--workdir", str(made), "--make-workdir"])
+    try:
+        c = d.client()
+        assert c.exec("pwd")["stdout"] == f"{made}\n"
+        assert c.post("/v1/snapshot/capture")["roots"] == [str(made)]
+    finally:
+        d.stop()
+    (tmp_path / "root").mkdir()
+    root = Daemon(tmp_path / "root", workdir=Path("/"))
+    try:
+        code, doc = root.client().request("POST", "/v1/snapshot/capture", {})
+        assert (code, doc["error"]["code"]) == (400, "invalid_field"), doc
+        assert "cannot be /" in doc["error"]["message"]
+    finally:
+        root.stop()
+
+
+def test_a_restore_keeps_the_new_sandboxs_own_hostname(tmp_path: Path) -> None:
+    """A pod's HOSTNAME is its name: a fork takes its source's exports, not its name."""
+    dirs = [tmp_path / "source", tmp_path / "fork"]
+    for d in dirs:
+        d.mkdir()
+    source = Daemon(dirs[0], env={"HOSTNAME": "source-pod"})
+    fork = Daemon(dirs[1], env={"HOSTNAME": "fork-pod"}, workdir=source.workdir)
+    try:
+        source.client().exec("export AGENT_VAR=kept")
+        listing = source.client().post("/v1/snapshot/capture")
+        assert "HOSTNAME" in listing["session"]["env"]  # captured, and not restored
+        c = fork.client()
+        _, (code, doc) = _restore(c, listing, {})
+        assert code == 200, doc
+        assert c.exec('echo "$HOSTNAME $AGENT_VAR"')["stdout"] == "fork-pod kept\n"
+    finally:
+        source.stop()
+        fork.stop()

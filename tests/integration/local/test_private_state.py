@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import grp
 import os
+import shutil
 import stat
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -80,3 +82,27 @@ def _listening(port: int) -> bool:
 
     with socket.socket() as sock:
         return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_postgres_stops_after_an_ancestor_lost_its_reach() -> None:
+    """pytest makes /tmp/pytest-of-<user> 0700 again at each session's start; a broker
+    started below it earlier must still stop (pg_ctl runs as the system user), not leave
+    PostgreSQL running."""
+    if os.geteuid() != 0:
+        pytest.skip("PostgreSQL runs as another user only when we are root")
+    parent = Path(tempfile.mkdtemp(prefix="sandman-reach-"))
+    settings = Settings(state_dir=parent / "state")
+    pid_file = settings.state_dir / "postgres" / "data" / "postmaster.pid"
+    try:
+        ensure_services(settings)
+        assert pid_file.exists()
+        parent.chmod(0o700)  # what a later pytest session does to its base directory
+        stop_postgres(settings)
+        wait_until(lambda: not pid_file.exists(), 60, what="postgres stopped")
+    finally:
+        parent.chmod(0o711)  # a failed stop above must not leave it running
+        stop_redis(settings)
+        stop_postgres(settings)
+        redis_pid = settings.state_dir / "redis" / "redis.pid"
+        wait_until(lambda: not redis_pid.exists(), 30, what="redis stopped")  # it saves first
+        shutil.rmtree(parent, ignore_errors=True)

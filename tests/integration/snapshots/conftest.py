@@ -1,7 +1,8 @@
 """The snapshot tests run against both blob stores: every module's ``stack`` (a real
 worker) is built twice, once on the state dir's filesystem and once on a real S3 server
 on loopback (``s3_server``: versitygw), each in a prefix of its own; the two-transport
-trainer fixture of the client tests is shared here."""
+trainer fixture of the client tests, and a broker of its own for the crash tests, are
+shared here."""
 
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ from broker.settings import Settings
 from tests.integration.client.test_transports import make_trainer
 from tests.integration.conftest import broker_stack
 from tests.support.blobstores import STORES, store_fields
+from tests.support.ownbroker import own_broker
 
-__all__ = ["make_trainer"]
+__all__ = ["make_trainer", "own_broker"]
 
 
 @pytest.fixture(scope="module", params=STORES)

@@ -68,6 +68,18 @@ def _check_carried(sb: Handle, victim: str) -> None:
     assert _out(sb, "/repo/run.sh") == "ran\n"
 
 
+def check_forks(source: Handle, forks: list[Handle], victim: str) -> None:
+    """Every fork carries every change; a write and a delete in one are its own."""
+    for fork in forks:
+        _check_carried(fork, victim)
+    forks[0].write_file("/repo/only-in-fork-0", "x")
+    _out(forks[0], "rm /repo/run.sh")
+    seen = "for f in only-in-fork-0 run.sh; do test -e /repo/$f && echo $f; done; true"
+    assert _out(forks[0], seen) == "only-in-fork-0\n"
+    assert _out(forks[1], seen) == "run.sh\n"  # fork 0's write and delete are its own
+    assert _out(source, seen) == "run.sh\n"
+
+
 def test_fork_carries_every_change_and_forks_are_independent(
     make_trainer: Callable[..., Trainer], sessions: Any, stack: Settings
 ) -> None:
@@ -79,15 +91,7 @@ def test_fork_carries_every_change_and_forks_are_independent(
         victim = _change_everything(sb)
         forks = sb.fork(2)
         assert all(not isinstance(f, SandmanError) for f in forks), forks
-        handles = [Handle(f, trainer.run) for f in forks]
-        for fork in handles:
-            _check_carried(fork, victim)
-        handles[0].write_file("/repo/only-in-fork-0", "x")
-        _out(handles[0], "rm /repo/run.sh")
-        seen = "for f in only-in-fork-0 run.sh; do test -e /repo/$f && echo $f; done; true"
-        assert _out(handles[0], seen) == "only-in-fork-0\n"
-        assert _out(handles[1], seen) == "run.sh\n"  # fork 0's write and delete are its own
-        assert _out(sb, seen) == "run.sh\n"
+        check_forks(sb, [Handle(f, trainer.run) for f in forks], victim)
     finally:
         for fork in forks:
             if not isinstance(fork, SandmanError):
