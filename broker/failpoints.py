@@ -23,6 +23,8 @@ Production leaves the setting empty and every point is a no-op. The points:
   restore-after-prepare   a restore's sandbox was prepared, no file written yet
   restore-mid-put         a restore's put pack sent its first file, the rest unsent (execd
                           holds a half-read body and a half-restored tree)
+  restore-mid-copy        local backend: a restore linked its blobs into the sandbox's
+                          inbox, execd was not asked to copy them (links left behind)
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ POINTS = (
     "snapshot-after-blobs",
     "restore-after-prepare",
     "restore-mid-put",
+    "restore-mid-copy",
 )
 EXIT_CODE = 86  # recognisable in a supervisor's log: "exit code 86" is a failpoint
 

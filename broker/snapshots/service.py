@@ -210,6 +210,7 @@ class SnapshotService:
             raise
         files = [{"p": e["p"], "s": int(e["s"]), "d": e["d"], "m": modes[e["p"]]} for e in need]
         try:
+            self.failpoint("restore-mid-copy")
             self._call(ep, "/v1/snapshot/copy", {"dir": f"{inside}/{drop.name}", "files": files})
         finally:
             shutil.rmtree(drop, ignore_errors=True)

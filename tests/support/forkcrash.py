@@ -7,7 +7,10 @@ files (two blobs, two files to put), so every point is reached on every run:
 - ``snapshot-between-blobs``: the row is ``capturing``, one blob stored, one not;
 - ``snapshot-after-blobs``: both blobs stored, no manifest;
 - ``restore-after-prepare``: the forks were acquired, a restore prepared one, no file written;
-- ``restore-mid-put``: a restore sent its first file to execd, the second never.
+- ``restore-mid-put``: a restore sent its first file to execd, the second never (on the
+  local backend with its local copy off, so that its restores stream as on Kubernetes);
+- ``restore-mid-copy`` (local backend): a restore linked its blobs into the sandbox's
+  inbox and never asked execd to copy them.
 A dead capture's trainer times out (``AcquireTimeout``); a dead restore's forks are each a
 typed error (all settled) and the trainer releases them. Then, after one GC pass with no
 grace: no live sandbox row of the job and no sandbox (process or pod) of the
@@ -48,6 +51,7 @@ from tests.support.wait import wait_until
 CAPTURE_POINTS = ("snapshot-between-blobs", "snapshot-after-blobs")
 RESTORE_POINTS = ("restore-after-prepare", "restore-mid-put")
 POINTS = CAPTURE_POINTS + RESTORE_POINTS
+LOCAL_COPY_POINT = "restore-mid-copy"  # the local backend's restores copy from an inbox
 SANDMAN = Path(sys.executable).parent / "sandman"
 
 
@@ -66,7 +70,7 @@ def kill_mid_fork(
 
     ``running`` names the sandboxes that still run, judged independently of the ledger
     (the local tests scan /proc); by default the backend's listing of the installation."""
-    assert point in POINTS, point
+    assert point in (*POINTS, LOCAL_COPY_POINT), point
     job = broker.job(f"forked-{point}", **(job_config or {}))
     broker.start_worker("releaser", f"{Queue.RELEASE},{Queue.POOL}")
     doomed = broker.start_worker(

@@ -46,6 +46,8 @@ class OwnBroker:
         env = child_env(self.settings, self.database_url, self.redis_url)
         for name in ENV_SETTINGS:
             env[f"SANDMAN_{name.upper()}"] = str(getattr(self.settings, name))
+        if not self.settings.snapshot_local_copy:  # local restores stream, as on Kubernetes
+            env["SANDMAN_SNAPSHOT_LOCAL_COPY"] = "0"
         if self.settings.snapshot_store:  # an S3 snapshot store (tests/support/blobstores.py)
             for name in SNAPSHOT_STORE_SETTINGS:
                 env[f"SANDMAN_{name.upper()}"] = str(getattr(self.settings, name))

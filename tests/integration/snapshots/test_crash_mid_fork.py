@@ -15,7 +15,7 @@ import pytest
 
 from tests.integration.workers.test_crash_mid_create import _running_sandboxes
 from tests.support.blobstores import BUCKET
-from tests.support.forkcrash import POINTS, kill_mid_fork
+from tests.support.forkcrash import LOCAL_COPY_POINT, POINTS, kill_mid_fork
 from tests.support.images import TASK_IMAGE
 from tests.support.ownbroker import OwnBroker
 from tests.support.s3server import S3Server
@@ -27,6 +27,7 @@ pytestmark = pytest.mark.integration
     ("point", "store_kind"),
     [
         *((point, "fs") for point in POINTS),
+        (LOCAL_COPY_POINT, "fs"),
         # on S3 the orphaned blobs are objects the GC must find and delete
         ("snapshot-between-blobs", "s3"),
         ("snapshot-after-blobs", "s3"),
@@ -39,6 +40,8 @@ def test_a_worker_killed_mid_fork_leaves_nothing_unowned(
         server: S3Server = request.getfixturevalue("s3_server")
         url = f"s3://{server.bucket(BUCKET)}/crash-{own_broker.settings.installation_id}"
         own_broker.settings = dataclasses.replace(own_broker.settings, **server.fields(url))
+    if point == "restore-mid-put":  # the put pack is the streamed path: local copy off
+        own_broker.settings = dataclasses.replace(own_broker.settings, snapshot_local_copy=False)
     state_dir = own_broker.settings.state_dir
     kill_mid_fork(
         own_broker,
