@@ -21,7 +21,6 @@ Owners, times and special files (FIFOs, sockets, devices) are not restored.
 
 import json
 import os
-import shutil
 import stat
 from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
 
@@ -338,6 +337,8 @@ def _remove(path: str, kind: str) -> None:
                 if not os.path.islink(p):
                     os.chmod(p, 0o700)
         os.chmod(path, 0o700)
+        import shutil  # rare: not worth its memory at start
+
         shutil.rmtree(path)
     else:
         os.unlink(path)
