@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from broker import failpoints
-from broker.backends import localnet, localprocs
+from broker.backends import localnet, localprocs, localpyc
 from broker.backends.base import (
     LABEL_INSTALLATION,
     LABEL_NONCE,
@@ -56,6 +56,7 @@ from broker.backends.base import (
     PrePullSpec,
 )
 from broker.backends.localports import PortLocks
+from broker.backends.localpyc import execd_flags
 from broker.backends.localroot import SandboxRoot, host_python, image_python, overlay_works
 from broker.errors import ImageInvalid, ImageNotFound, KubeConflict, KubeUnavailable
 from broker.images import refs
@@ -245,6 +246,8 @@ class LocalBackend:
         self._held: dict[str, PrePullInfo] = {}
         self.host_root = host_root
         self.guards = localnet.Guards(self.root)
+        self._pyc: Path | None = None
+        self._pyc_tried = False
 
     @staticmethod
     def mark_root_of(state_dir: Path) -> Path:
@@ -400,10 +403,13 @@ class LocalBackend:
             # A workdir the image has (a task's repository) is the image's, in the
             # sandbox's own layer; any other gets an empty workspace of its own.
             argv += ["--bind", str(workspace), workdir]
+        pyc = self._execd_pyc()
+        if pyc is not None:
+            argv += ["--ro-bind", str(pyc), localpyc.MOUNT]
         argv += [
             "--ro-bind",
             str(self.execd_dir),
-            "/sandman/execd",
+            localpyc.SOURCE_MOUNT,
             "--unshare-pid",
             "--unshare-ipc",
             "--unshare-uts",
@@ -431,17 +437,22 @@ class LocalBackend:
             argv += ["--sync-fd", str(fds.sync)]
         for key, value in spec.env.items():
             argv += ["--setenv", key, value]
+        argv += ["--", *python, *execd_flags(pyc is not None), "-m", "execd"]
         argv += [
-            "--",
-            *python,
-            "-m",
-            "execd",
             "--listen-fd",
             str(fds.listener),
             "--workdir",
             workdir,
         ]
         return argv
+
+    def _execd_pyc(self) -> Path | None:
+        """execd's bytecode for this backend's interpreter, compiled on first use (see
+        localpyc); once per process, as the interpreter and the sources are."""
+        if not self._pyc_tried:
+            self._pyc_tried = True
+            self._pyc = localpyc.compiled_tree(self.root, [self.python], self.execd_dir)
+        return self._pyc
 
     def _host_root_argv(self, mark: str) -> list[str]:
         """The benchmark-only host root: a fresh tmpfs with every top-level host directory
