@@ -56,7 +56,6 @@ from broker.backends.base import (
     PrePullSpec,
 )
 from broker.backends.localports import PortLocks
-from broker.backends.localpyc import execd_flags
 from broker.backends.localroot import SandboxRoot, host_python, image_python, overlay_works
 from broker.errors import ImageInvalid, ImageNotFound, KubeConflict, KubeUnavailable
 from broker.images import refs
@@ -246,8 +245,6 @@ class LocalBackend:
         self._held: dict[str, PrePullInfo] = {}
         self.host_root = host_root
         self.guards = localnet.Guards(self.root)
-        self._pyc: Path | None = None
-        self._pyc_tried = False
 
     @staticmethod
     def mark_root_of(state_dir: Path) -> Path:
@@ -403,12 +400,9 @@ class LocalBackend:
             # A workdir the image has (a task's repository) is the image's, in the
             # sandbox's own layer; any other gets an empty workspace of its own.
             argv += ["--bind", str(workspace), workdir]
-        pyc = self._execd_pyc()
-        if pyc is not None:
-            argv += ["--ro-bind", str(pyc), localpyc.MOUNT]
         argv += [
             "--ro-bind",
-            str(self.execd_dir),
+            str(self._execd_copy() or self.execd_dir),
             localpyc.SOURCE_MOUNT,
             "--unshare-pid",
             "--unshare-ipc",
@@ -437,7 +431,7 @@ class LocalBackend:
             argv += ["--sync-fd", str(fds.sync)]
         for key, value in spec.env.items():
             argv += ["--setenv", key, value]
-        argv += ["--", *python, *execd_flags(pyc is not None), "-m", "execd"]
+        argv += ["--", *python, *localpyc.EXECD_FLAGS, "-m", "execd"]
         argv += [
             "--listen-fd",
             str(fds.listener),
@@ -446,13 +440,10 @@ class LocalBackend:
         ]
         return argv
 
-    def _execd_pyc(self) -> Path | None:
-        """execd's bytecode for this backend's interpreter, compiled on first use (see
-        localpyc); once per process, as the interpreter and the sources are."""
-        if not self._pyc_tried:
-            self._pyc_tried = True
-            self._pyc = localpyc.compiled_tree(self.root, [self.python], self.execd_dir)
-        return self._pyc
+    def _execd_copy(self) -> Path | None:
+        """execd with its bytecode for this backend's interpreter (see localpyc): made on
+        the first create after an edit of its sources, then found by its key."""
+        return localpyc.compiled_copy(self.root, [self.python], self.execd_dir)
 
     def _host_root_argv(self, mark: str) -> list[str]:
         """The benchmark-only host root: a fresh tmpfs with every top-level host directory
