@@ -16,10 +16,13 @@ Two parts, in one run:
    ``--sandboxes`` acquired by one ``AsyncSandboxClient`` (``--acquire-concurrency`` at
    a time), then ``--streams`` coroutines each running ``--execs`` short commands
    back to back, stream ``s`` on sandboxes ``s, s+M, s+2M, ...`` in turn so every
-   sandbox serves. Exec p50/p90/p99, execs/s, the trainer's CPU seconds per exec
-   (``getrusage`` of this process over the exec phase), the idle memory of the N live
-   execds (found by ancestry from this run's bubblewrap processes) before and after
-   the streams, and the machine's MemAvailable before, at peak and after release.
+   sandbox serves. Twice over the same live sandboxes: first ``--baseline-execs`` per
+   stream through one ``httpx.AsyncClient`` shared by all sandboxes (the client before
+   it kept a pool per sandbox), then ``--execs`` per stream through ``sb.exec``. For
+   each: exec p50/p90/p99, execs/s, errors, the trainer's CPU seconds per exec
+   (``getrusage`` of this process over the phase) and the ratios. Also the idle memory
+   of the N live execds (found by ancestry from this run's bubblewrap processes)
+   before and after the streams, and the machine's MemAvailable before, held, after.
 
 Everything is released at the end (and on a crash: atexit stops the stack); the run
 checks that no execd of its own is left. Writes bench/out/trainer_scale.json.
@@ -30,23 +33,28 @@ from __future__ import annotations
 import argparse
 import asyncio
 import atexit
+import cProfile
 import http.client
 import json
 import os
+import pstats
 import resource
 import secrets
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import REPO, bench_env, free_port, save, stop_services, summary
+from bench.meter import descendants
 
 IMAGE = "localhost/sandman-task-base:v1"  # in the local store (make local-images)
 JOB = "trainer-scale"
@@ -94,39 +102,21 @@ def mem_available_mib() -> float:
     return float("nan")
 
 
-def process_table() -> dict[int, tuple[int, str]]:
-    """pid -> (ppid, cmdline) of every process visible here."""
-    table: dict[int, tuple[int, str]] = {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{name}/cmdline", "rb") as f:
-                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
-        except (OSError, ValueError, IndexError):
-            continue
-        table[int(name)] = (ppid, cmd)
-    return table
+def our_execds(mark_root: Path) -> list[int]:
+    """The execd of every sandbox marked under ``mark_root`` (this run's state dir: other
+    runs' sandboxes on the same machine are not counted), found below its bubblewrap."""
+    from broker.backends import localprocs
 
-
-def our_execds(marker: str) -> list[int]:
-    """execd processes below a bubblewrap whose command line names ``marker`` (this run's
-    state dir): other runs' sandboxes on the same machine are not counted."""
-    table = process_table()
-    roots = {p for p, (_, cmd) in table.items() if "bwrap" in cmd and marker in cmd}
-    found = []
-    for pid, (ppid, cmd) in table.items():
-        if "-m execd" not in cmd or "bwrap" in cmd:
-            continue
-        p, seen = ppid, 0
-        while p > 1 and seen < 8:
-            if p in roots:
-                found.append(pid)
-                break
-            p, seen = table.get(p, (0, ""))[0], seen + 1
-    return found
+    found = set()
+    for sandbox in localprocs.scan(mark_root):
+        for pid in descendants(sandbox.pid):
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"execd" in cmd and b"-m" in cmd and not cmd[0].endswith(b"bwrap"):
+                found.add(pid)
+    return sorted(found)
 
 
 # -- part 1: execd idle memory, old launch vs new -----------------------------------------
@@ -137,16 +127,24 @@ class Daemon:
 
     def __init__(self, pythonpath: Path, flags: list[str], workdir: Path) -> None:
         self.token = secrets.token_hex(16)
-        self.port = free_port()
+        # A socket bound here and inherited (as the local backend does): a port picked
+        # free and bound later by the daemon could be taken by another one meanwhile.
+        listener = socket.socket()
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(128)
+        self.port = listener.getsockname()[1]
         env = dict(os.environ, SANDMAN_EXECD_TOKEN=self.token, PYTHONPATH=str(pythonpath))
         options = ["--workdir", str(workdir), "--log-level", "WARNING"]
+        fd = listener.fileno()
         self.proc = subprocess.Popen(
-            [PYTHON, *flags, "-m", "execd", "--listen", f"127.0.0.1:{self.port}", *options],
+            [PYTHON, *flags, "-m", "execd", "--listen-fd", str(fd), *options],
             cwd=workdir,
             env=env,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
+            pass_fds=(fd,),
         )
+        listener.close()
 
     def call(self, method: str, path: str, body: dict[str, Any] | None = None) -> int:
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
@@ -221,7 +219,9 @@ def memory_part(n: int, ref: str) -> dict[str, Any]:
 # -- part 2: the trainer at scale ----------------------------------------------------------
 
 
-async def trainer_part(args: argparse.Namespace, redis_url: str, marker: str) -> dict[str, Any]:
+async def trainer_part(args: argparse.Namespace, redis_url: str, marker: Path) -> dict[str, Any]:
+    import httpx
+
     from broker.client.aio import AsyncSandbox, AsyncSandboxClient
     from broker.errors import SandmanError
 
@@ -257,43 +257,84 @@ async def trainer_part(args: argparse.Namespace, redis_url: str, marker: str) ->
             out["execd_pids_found"] = len(execds)
             out["execd_idle_before"] = mem_summary(execds)
             out["mem_available_held_mib"] = mem_available_mib()
-            out.update(await streams(args, held, errors))
+            if held and args.baseline_execs:
+                async with httpx.AsyncClient(**client.http_options()) as shared:
+                    out["shared_pool"] = await streams(
+                        args, held, via_shared_pool(shared), args.baseline_execs
+                    )
+                print(f"shared pool: {out['shared_pool']['execs_per_s']:.0f} execs/s", flush=True)
+            if held:
+                out["own_pools"] = await streams(args, held, via_own_pool, args.execs)
+                for k in ("execs_per_s", "trainer_cpu_ms_per_exec"):
+                    if "shared_pool" in out:
+                        out[f"{k}_ratio_own_over_shared"] = (
+                            out["own_pools"][k] / out["shared_pool"][k]
+                        )
             await asyncio.sleep(2.0)
             out["execd_idle_after"] = mem_summary(our_execds(marker))
         finally:
             await asyncio.gather(*(sb.release() for sb in held), return_exceptions=True)
-    out["errors"] = errors
+    out["acquire_errors"] = errors
     return out
 
 
+# One exec: (sandbox, k) -> (exit code, stdout).
+ExecOne = Callable[[Any, int], Awaitable[tuple[int, str]]]
+
+
+async def via_own_pool(sb: Any, k: int) -> tuple[int, str]:
+    """The client as it is: ``sb.exec`` (the sandbox's own connection pool)."""
+    r = await sb.exec(f"echo {k}", timeout=60)
+    return r.exit_code, r.stdout
+
+
+def via_shared_pool(http: Any) -> ExecOne:
+    """The baseline: the same call through one ``httpx.AsyncClient`` shared by every
+    sandbox, as the async client did before it kept a pool per sandbox."""
+    from broker.wire.execd import session_exec_call
+
+    async def one(sb: Any, k: int) -> tuple[int, str]:
+        doc = await sb._execd.send_async(http, session_exec_call(f"echo {k}", timeout=60))
+        return int(doc["exit_code"]), str(doc["stdout"])
+
+    return one
+
+
 async def streams(
-    args: argparse.Namespace, held: list[Any], errors: dict[str, int]
+    args: argparse.Namespace, held: list[Any], exec_one: ExecOne, execs: int
 ) -> dict[str, Any]:
+    """``args.streams`` coroutines, ``execs`` calls each, stream s on sandboxes s, s+M, ..."""
     from broker.errors import SandmanError
 
     lat: list[float] = []
+    errors: dict[str, int] = {}
     n = len(held)
 
     async def stream(s: int) -> None:
-        for k in range(args.execs):
+        for k in range(execs):
             sb = held[(s + k * args.streams) % n]
             t0 = time.perf_counter()
             try:
-                r = await sb.exec(f"echo {k}", timeout=60)
+                code, out = await exec_one(sb, k)
             except SandmanError as exc:
                 errors[type(exc).__name__] = errors.get(type(exc).__name__, 0) + 1
                 continue
             lat.append(time.perf_counter() - t0)
-            if r.exit_code != 0 or r.stdout != f"{k}\n":
+            if code != 0 or out != f"{k}\n":
                 errors["bad_output"] = errors.get("bad_output", 0) + 1
 
-    if not held:
-        return {}
-    for sb in held[: args.streams]:  # warm: each connection opened before the clock
-        await sb.exec("true", timeout=60)
+    for sb in held[: args.streams]:  # warm: a connection each before the clock starts
+        await exec_one(sb, 0)
+    prof = cProfile.Profile() if args.profile else None
     ru0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.monotonic()
+    if prof is not None:
+        prof.enable()
     await asyncio.gather(*(stream(s) for s in range(args.streams)))
+    if prof is not None:
+        prof.disable()
     ru1, wall = resource.getrusage(resource.RUSAGE_SELF), time.monotonic() - t0
+    if prof is not None:  # where the trainer's CPU per exec goes (the figures above include
+        pstats.Stats(prof).sort_stats("tottime").print_stats(25)  # the profiler's overhead)
     cpu = (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime)
     return {
         "exec": summary(lat),
@@ -303,6 +344,7 @@ async def streams(
         "trainer_cpu_s": cpu,
         "trainer_cpu_ms_per_exec": 1000 * cpu / max(1, len(lat)),
         "trainer_cpu_share_of_one_core": cpu / wall,
+        "errors": errors,
     }
 
 
@@ -311,11 +353,18 @@ def main() -> int:
     p.add_argument("--sandboxes", type=int, default=500)
     p.add_argument("--streams", type=int, default=200)
     p.add_argument("--execs", type=int, default=25, help="execs per stream")
+    p.add_argument(
+        "--baseline-execs",
+        type=int,
+        default=5,
+        help="execs per stream through one shared pool first (the old client; 0: skip)",
+    )
     p.add_argument("--acquire-concurrency", type=int, default=64)
     p.add_argument("--mem-n", type=int, default=50, help="daemons per set in part 1")
     p.add_argument("--baseline-ref", default=BASELINE_REF)
     p.add_argument("--skip-memory", action="store_true")
     p.add_argument("--skip-trainer", action="store_true")
+    p.add_argument("--profile", action="store_true", help="cProfile the exec phase")
     p.add_argument("--min-free-mib", type=int, default=4096, help="refuse to start below")
     args = p.parse_args()
 
@@ -373,7 +422,9 @@ def run_stack(args: argparse.Namespace) -> dict[str, Any]:
     root = Root(settings, TOOL, database_url=stack.database_url, actor="trainer-scale")
     with root.sessions.begin() as s:
         store.ensure_job(s, JOB, lease_s=3600.0)
-    marker = str(state.resolve())
+    from broker.backends.local import LocalBackend
+
+    marker = LocalBackend.mark_root_of(state)
     try:
         out = asyncio.run(trainer_part(args, stack.redis_url, marker))
         deadline = time.monotonic() + 300
