@@ -434,8 +434,15 @@ def run_stack(args: argparse.Namespace) -> dict[str, Any]:
         out["mem_available_after_mib"] = mem_available_mib()
     finally:
         root.dispose()
+        pidfile = state / "redis" / "redis.pid"
+        redis_pid = int(pidfile.read_text().strip()) if pidfile.exists() else 0
         cleanup()
         atexit.unregister(cleanup)
+        # Redis saves its data on SIGTERM and refuses to exit if it cannot: the state
+        # dir goes only once it is gone (it would otherwise run on, orphaned).
+        deadline = time.monotonic() + 30
+        while redis_pid and Path(f"/proc/{redis_pid}").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
         shutil.rmtree(state, ignore_errors=True)
     return out
 
