@@ -37,6 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.common import pct, save, summary  # noqa: E402
+from bench.meter import descendants  # noqa: E402
 from broker.backends import local as local_mod  # noqa: E402
 from broker.backends import localprocs  # noqa: E402
 from broker.backends.base import PodSpec  # noqa: E402
@@ -66,22 +67,6 @@ def start(backend: LocalBackend, pod: PodSpec) -> float:
         if not info.ready:
             raise RuntimeError(f"{pod.name} failed: {info}")
     return time.perf_counter() - t0
-
-
-def descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo += children.get(p, [])
-    return out
 
 
 def pss_b(pid: int) -> int:

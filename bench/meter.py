@@ -56,6 +56,23 @@ def proc_stat(pid: int) -> tuple[float, int, int] | None:
     return cpu, kb.get("VmRSS", 0) * 1024, kb.get("VmHWM", 0) * 1024
 
 
+def descendants(pid: int) -> list[int]:
+    """``pid`` and every process below it (one pass over /proc)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += children.get(p, [])
+    return out
+
+
 def rss_mb(pids: list[int]) -> float:
     """Resident memory of ``pids`` together, in MiB (gone processes count 0)."""
     return sum((proc_stat(p) or (0.0, 0, 0))[1] for p in pids) / 2**20

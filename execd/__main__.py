@@ -6,19 +6,17 @@ file named by SANDMAN_EXECD_TOKEN_FILE, else SANDMAN_EXECD_TOKEN, and removes al
 three from the environment before bash is started, so no command can see it.
 """
 
-import argparse
 import contextlib
-import logging
 import os
-import shutil
 import signal
 import sys
 import threading
-from typing import Any, Iterable, List, Optional, Tuple
+from typing import Any, Iterable, List, Optional
 
-from . import __version__
+from . import __version__, logs
 from . import rundir as rundir_mod
 from .api import App
+from .cli import parse_args
 from .cpus import pin_visible_cpus
 from .reaper import Reaper, become_subreaper
 from .run import Runner
@@ -29,92 +27,8 @@ from .shell import Shell
 from .snapshot import Snapshots
 from .state import StateKeeper
 
-log = logging.getLogger("execd")
+log = logs.getLogger("execd")
 TOKEN_VARS = ("SANDMAN_EXECD_TOKEN", "SANDMAN_EXECD_TOKEN_FILE", "SANDMAN_EXECD_TOKEN_FD")
-
-
-def parse_listen(value: str) -> Tuple[str, int]:
-    host, sep, port = value.rpartition(":")
-    if not sep or not port.isdigit() or int(port) > 65535:
-        raise argparse.ArgumentTypeError("--listen wants HOST:PORT, got %r" % value)
-    host = host.strip("[]") or "0.0.0.0"  # noqa: S104 (a pod serves on its IP)
-    return host, int(port)
-
-
-def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python3 -m execd", description=__doc__.splitlines()[0])
-    p.add_argument(
-        "--listen",
-        type=parse_listen,
-        default=("0.0.0.0", 8000),  # noqa: S104
-        help="HOST:PORT to serve on (default 0.0.0.0:8000; port 0 picks one)",
-    )
-    p.add_argument(
-        "--listen-fd",
-        type=int,
-        default=None,
-        help="serve on this inherited, already listening socket instead of --listen "
-        "(the local backend binds it outside the sandbox's network namespace)",
-    )
-    p.add_argument("--workdir", default=None, help="the session's starting directory")
-    p.add_argument(
-        "--make-workdir",
-        action="store_true",
-        help="create --workdir (and its parents) when the image lacks it: a pod's default "
-        "/workspace, like the local backend's bound empty workspace",
-    )
-    p.add_argument("--max-body-bytes", type=int, default=64 * 1024 * 1024)
-    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
-    p.add_argument(
-        "--idle-timeout",
-        type=float,
-        default=300.0,
-        help="seconds a keep-alive connection may sit idle",
-    )
-    p.add_argument(
-        "--request-timeout",
-        type=float,
-        default=60.0,
-        help="seconds a client may stall while sending one request",
-    )
-    p.add_argument(
-        "--head-timeout",
-        type=float,
-        default=10.0,
-        help="seconds (in total, from connect) a connection without the token has to send "
-        "its request head",
-    )
-    p.add_argument(
-        "--max-pending",
-        type=int,
-        default=64,
-        help="connections without the token held at once (the oldest is cut for a new one)",
-    )
-    p.add_argument(
-        "--max-runs",
-        type=int,
-        default=32,
-        help="one-shot runs at once; one more is refused with 429 (never queued)",
-    )
-    p.add_argument(
-        "--max-sessions",
-        type=int,
-        default=16,
-        help="named sessions open at once (the default session not counted)",
-    )
-    p.add_argument(
-        "--stream-keepalive",
-        type=float,
-        default=5.0,
-        help="seconds of silence after which a streamed run sends a keepalive frame",
-    )
-    p.add_argument(
-        "--insecure-no-auth",
-        action="store_true",
-        help="serve without a token (local debugging only)",
-    )
-    p.add_argument("--version", action="version", version=__version__)
-    return p.parse_args(argv)
 
 
 def scrub_environ(names: Iterable[str]) -> None:
@@ -190,6 +104,15 @@ def read_token(insecure: bool) -> bytes:
     return token.encode("utf-8")
 
 
+def find_bash() -> str:
+    """``shutil.which("bash") or "/bin/bash"``, without importing shutil at start."""
+    for folder in os.environ.get("PATH", os.defpath).split(os.pathsep):
+        path = os.path.join(folder or ".", "bash")
+        if os.path.isfile(path) and os.access(path, os.X_OK):
+            return path
+    return "/bin/bash"
+
+
 def ensure_std_fds() -> None:
     """PID 1 may start with 0-2 closed; a pipe landing there would be clobbered."""
     for fd in (0, 1, 2):
@@ -202,11 +125,7 @@ def ensure_std_fds() -> None:
 def main(argv: Optional[List[str]] = None) -> int:
     ensure_std_fds()
     args = parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level,
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    logs.configure(args.log_level, sys.stderr)
     # First, before any thread or child: they all inherit the affinity.
     pin_visible_cpus(os.environ)
     token = read_token(args.insecure_no_auth)
@@ -216,7 +135,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             os.set_inheritable(args.listen_fd, False)
     if not token:
         log.warning("serving WITHOUT authentication (--insecure-no-auth)")
-    bash = shutil.which("bash") or "/bin/bash"
+    bash = find_bash()
     if not os.access(bash, os.X_OK):
         raise SystemExit("execd: bash not found")
     workdir = os.path.abspath(args.workdir or os.getcwd())
@@ -240,14 +159,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     snapshots = Snapshots(shell, workdir, rundir, umask)
     app = App(
         token,
-        shell,
-        state,
-        args.max_body_bytes,
-        umask,
-        sessions,
-        runner,
-        args.stream_keepalive,
-        snapshots,
+        shell=shell,
+        state=state,
+        max_body=args.max_body_bytes,
+        umask=umask,
+        sessions=sessions,
+        runner=runner,
+        keepalive_s=args.stream_keepalive,
+        snapshots=snapshots,
     )
     server = Server(
         args.listen,
@@ -284,7 +203,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             shell.close()
         except Exception:  # best effort at shutdown
             log.exception("cleanup failed")
-        shutil.rmtree(rundir, ignore_errors=True)
+        rundir_mod.remove(rundir)
     return 0
 
 

@@ -5,10 +5,12 @@ routes exist) and never gets a byte of its body read; a body over the limit is
 refused from its Content-Length alone.
 """
 
-import hmac
 import os
 import time
-from dataclasses import dataclass, field
+
+# The C function ``hmac.compare_digest`` falls back to; importing it from ``hmac`` would
+# pull in hashlib and OpenSSL's libcrypto (3 MiB of resident memory in every sandbox).
+from _operator import _compare_digest as compare_digest
 from typing import Callable, Dict, Tuple, Union
 
 from . import __version__, errors, files, runreply, runspec, validate
@@ -32,23 +34,36 @@ BIG_FIELDS = {WRITE: "content_b64", RUN: "stdin_b64", RUN_STREAM: "stdin_b64"}
 Handler = Callable[[Doc], Union[Doc, Response]]
 
 
-@dataclass
 class App:
-    """The request handler the server calls; ``token`` empty means no authentication."""
+    """The request handler the server calls; ``token`` empty means no authentication.
 
-    token: bytes = field(repr=False)  # never in a log line
-    shell: Shell
-    state: StateKeeper
-    max_body: int
-    umask: int
-    sessions: Sessions
-    runner: Runner
-    keepalive_s: float
-    snapshots: Snapshots
-    started: float = field(default_factory=time.time, init=False)
-    activity: Activity = field(default_factory=Activity, init=False)
+    A plain class, not a dataclass: ``dataclasses`` imports ``inspect`` and ``ast``
+    (1 MiB per sandbox). No ``__repr__``, so the token is never in a log line."""
 
-    def __post_init__(self) -> None:
+    def __init__(
+        self,
+        token: bytes,
+        *,
+        shell: Shell,
+        state: StateKeeper,
+        max_body: int,
+        umask: int,
+        sessions: Sessions,
+        runner: Runner,
+        keepalive_s: float,
+        snapshots: Snapshots,
+    ) -> None:
+        self.token = token
+        self.shell = shell
+        self.state = state
+        self.max_body = max_body
+        self.umask = umask
+        self.sessions = sessions
+        self.runner = runner
+        self.keepalive_s = keepalive_s
+        self.snapshots = snapshots
+        self.started = time.time()
+        self.activity = Activity()
         self.routes: Dict[str, Tuple[str, Handler]] = {
             SNAPSHOT_PUT: ("PUT", self.healthz),  # served by Snapshots.put before any body read
             "/healthz": ("GET", self.healthz),
@@ -118,7 +133,7 @@ class App:
         header = req.headers.get("authorization", "")
         scheme, _, given = header.partition(" ")
         # Compare bytes in constant time; never log or echo what was given.
-        return scheme.lower() == "bearer" and hmac.compare_digest(
+        return scheme.lower() == "bearer" and compare_digest(
             given.strip().encode("latin-1", "replace"), self.token
         )
 

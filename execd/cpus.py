@@ -9,13 +9,14 @@ every one-shot run then sees exactly N CPUs in ``os.sched_getaffinity`` (and in
 affinity alone and logs it: the grader's probe reports the contradiction.
 """
 
-import logging
 import os
 from typing import List, Mapping, Optional
 
+from . import logs
+
 ENV = "SANDMAN_EXECD_VISIBLE_CPUS"
 
-log = logging.getLogger("execd.cpus")
+log = logs.getLogger("execd.cpus")
 
 
 def pin_visible_cpus(environ: Mapping[str, str]) -> Optional[List[int]]:

@@ -12,19 +12,30 @@ verifies length and SHA-256 of what landed on disk.
 import base64
 import contextlib
 import errno
-import hashlib
 import os
 import stat
-from typing import Iterable, Iterator, List, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Iterable, Iterator, List, Optional, Tuple, Union
 
 from . import errors
 from .edit import SHELL_HINT, apply_edit
 from .server import Close, Response
 from .validate import Doc
 
+if TYPE_CHECKING:
+    import hashlib
+
 STREAM_OVER = 4 * 1024 * 1024  # larger reads are streamed, not built in memory
 PIECE = 3 * 1024 * 1024  # a multiple of 3: base64 pieces concatenate cleanly
 MAX_EDIT_BYTES = 64 * 1024 * 1024
+
+
+def sha256(data: bytes = b"") -> "hashlib._Hash":
+    """``hashlib.sha256(data)``, with hashlib imported on first use: it loads OpenSSL's
+    libcrypto (3 MiB resident), which an idle sandbox, or one that only runs commands,
+    never needs."""
+    import hashlib
+
+    return hashlib.sha256(data)
 
 
 def os_error(exc: OSError, path: str) -> errors.ExecdError:
@@ -82,7 +93,7 @@ def read_response(path: str) -> Response:
             {
                 "content_b64": base64.b64encode(data).decode("ascii"),
                 "size": len(data),
-                "sha256": hashlib.sha256(data).hexdigest(),
+                "sha256": sha256(data).hexdigest(),
             },
         )
     size = st.st_size
@@ -94,7 +105,7 @@ def read_response(path: str) -> Response:
 
 def _stream(fd: int, size: int, head: bytes) -> Iterator[bytes]:
     """Base64 pieces of exactly ``size`` bytes; the hash rides at the end."""
-    digest = hashlib.sha256()
+    digest = sha256()
     try:
         yield head
         left = size
@@ -172,7 +183,7 @@ def write_atomic(
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     except OSError as exc:
         raise os_error(exc, path) from None
-    digest = hashlib.sha256()
+    digest = sha256()
     size = 0
     try:
         try:
@@ -232,7 +243,7 @@ def edit_file(path: str, old: str, new: str, umask: int) -> Doc:
         landed = read_bytes(path)
     except errors.ExecdError:
         landed = b""
-    if len(landed) != len(intended) or hashlib.sha256(landed).hexdigest() != result["sha256"]:
+    if len(landed) != len(intended) or sha256(landed).hexdigest() != result["sha256"]:
         write_atomic(path, raw, stat.S_IMODE(st.st_mode), umask)
         raise errors.Unprocessable(
             "the edited file could not be verified on disk (length or "

@@ -11,12 +11,13 @@ classifying a pid, so a child that exits instantly is still recognised.
 """
 
 import ctypes
-import logging
 import os
 import threading
 from typing import Any, Callable, Dict, List, Mapping
 
-log = logging.getLogger("execd.reaper")
+from . import logs
+
+log = logs.getLogger("execd.reaper")
 
 PR_SET_CHILD_SUBREAPER = 36
 

@@ -8,8 +8,6 @@ in another pid namespace are never judged: their processes are invisible here.
 """
 
 import os
-import shutil
-import tempfile
 from typing import Optional
 
 from . import proc
@@ -33,10 +31,10 @@ def create() -> str:
     on a disk-backed overlay /tmp that costs milliseconds, on tmpfs microseconds.
     """
     shm = "/dev/shm"  # noqa: S108 (a private mkdtemp below it, mode 0700)
-    for base in (os.environ.get("XDG_RUNTIME_DIR"), shm, tempfile.gettempdir()):
+    for base in (os.environ.get("XDG_RUNTIME_DIR"), shm, os.environ.get("TMPDIR"), "/tmp"):  # noqa: S108
         if base and os.path.isdir(base) and os.access(base, os.W_OK | os.X_OK):
             try:
-                path = tempfile.mkdtemp(prefix="execd-", dir=base)
+                path = _mkdtemp(base)
             except OSError:
                 continue
             sweep(base)
@@ -44,6 +42,27 @@ def create() -> str:
                 f.write(_identity(os.getpid()) or "")
             return path
     raise SystemExit("execd: no writable directory for runtime files")
+
+
+def _mkdtemp(base: str) -> str:
+    """``tempfile.mkdtemp(prefix="execd-", dir=base)`` without importing tempfile (and
+    random, and its hashes: memory every sandbox would carry for one call at start)."""
+    for _ in range(100):
+        path = os.path.join(base, "execd-" + os.urandom(6).hex())
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            continue
+        return path
+    raise FileExistsError("no free name under %s" % base)
+
+
+def remove(path: str) -> None:
+    """Remove a runtime dir, errors ignored (shutil is imported here, not at start: it
+    pulls in zlib, bz2 and lzma, memory a sandbox would carry for its last call)."""
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def sweep(base: str) -> int:
@@ -65,6 +84,6 @@ def sweep(base: str) -> int:
             continue
         info = proc.read_stat(int(pid_s))
         if info is None or str(info.start) != start_s:
-            shutil.rmtree(path, ignore_errors=True)
+            remove(path)
             removed += 1
     return removed

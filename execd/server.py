@@ -17,17 +17,16 @@ slow-loris a head, and the trainer is always read.
 """
 
 import json
-import logging
 import socket
 import socketserver
 import threading
 import time
 from typing import Any, Callable, Dict, Iterable, Optional, Tuple
 
-from . import errors
+from . import errors, logs
 from .gate import Gate
 
-log = logging.getLogger("execd.http")
+log = logs.getLogger("execd.http")
 
 MAX_LINE = 65536
 MAX_HEADERS = 100

@@ -11,7 +11,6 @@ killed and bash is unwound out of the command (see bashproto).
 
 import contextlib
 import fcntl
-import logging
 import os
 import select
 import signal
@@ -19,11 +18,11 @@ import threading
 import time
 from typing import Dict, List, NamedTuple, Optional, Set, Tuple
 
-from . import bashproto, proc
+from . import bashproto, logs, proc
 from .output import BoundedCapture, read_pipe
 from .reaper import Reaper
 
-log = logging.getLogger("execd.session")
+log = logs.getLogger("execd.session")
 
 F_SETPIPE_SZ = 1031
 ABORT_GRACE_S = 2.0

@@ -6,10 +6,10 @@ a fresh bash (pristine shape) followed by a ``cd`` and the exported variables
 of the baseline, so a baseline taken after setup commands is restored too.
 """
 
-import hashlib
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 from . import bashproto
+from .files import sha256
 
 if TYPE_CHECKING:  # shell imports the session, which must not import it back at run time
     from .shell import Shell
@@ -35,7 +35,7 @@ def capture(shell: "Shell") -> Optional[SessionState]:
     return SessionState(
         cwd=cwd.rstrip("\n"),
         env=parse_declare(decl),
-        shape=hashlib.sha256(shape.encode("utf-8", "surrogateescape")).hexdigest(),
+        shape=sha256(shape.encode("utf-8", "surrogateescape")).hexdigest(),
     )
 
 

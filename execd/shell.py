@@ -7,17 +7,16 @@ the call that killed it still returns the status, and the next call starts a
 fresh session in the starting directory and reports ``session_restarted: true``.
 """
 
-import logging
 import os
 import threading
 import time
 from typing import Optional, Tuple
 
-from . import bashproto, errors, proc
+from . import bashproto, errors, logs, proc
 from .session import Call, Launch, Session, SessionError
 from .validate import Doc
 
-log = logging.getLogger("execd.shell")
+log = logs.getLogger("execd.shell")
 
 
 class Shell:

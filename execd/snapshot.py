@@ -27,7 +27,6 @@ import contextlib
 import hashlib
 import json
 import os
-import shutil
 import stat
 from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
 
@@ -416,6 +415,8 @@ def _remove(path: str, kind: str) -> None:
                 if not os.path.islink(p):
                     os.chmod(p, 0o700)
         os.chmod(path, 0o700)
+        import shutil  # rare: not worth its memory at start
+
         shutil.rmtree(path)
     else:
         os.unlink(path)

@@ -22,11 +22,9 @@ not restorable (the broker must delete the sandbox)
 """
 
 import os
-import shutil
 import threading
 import time
-from dataclasses import dataclass
-from typing import Dict, List, Optional, Set, Tuple
+from typing import Dict, List, NamedTuple, Optional, Set, Tuple
 
 from . import errors, proc, sessionstate, treescan, validate
 from .shell import Shell
@@ -35,9 +33,10 @@ from .validate import Doc
 MAX_ITEMS = 200
 
 
-@dataclass
-class Baseline:
-    """What ``/v1/baseline`` recorded; the check and the restore compare against it."""
+class Baseline(NamedTuple):
+    """What ``/v1/baseline`` recorded; the check and the restore compare against it.
+
+    (A NamedTuple, not a dataclass: ``dataclasses`` costs every sandbox 1 MiB at start.)"""
 
     root: str
     watch: List[str]
@@ -209,6 +208,8 @@ def _undo_file(base: Baseline, change: str, path: str) -> bool:
     entry = base.tree.get("" if rel == "." else rel)
     if change == "added":
         if os.path.isdir(path) and not os.path.islink(path):
+            import shutil  # rare: not worth its memory at start
+
             shutil.rmtree(path)
         else:
             os.unlink(path)

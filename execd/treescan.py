@@ -7,10 +7,11 @@ snapshot; otherwise its digest is carried over. The tree never leaves its
 filesystem (no descent into /proc or mounts below the root).
 """
 
-import hashlib
 import os
 import stat
 from typing import Dict, Iterable, List, NamedTuple, Optional, Set, Tuple
+
+from .files import sha256
 
 HASH_CHUNK = 1 << 20
 HASH_THREADS = 4
@@ -41,7 +42,7 @@ Tree = Dict[str, Entry]
 
 
 def file_digest(path: str, buf: bytearray) -> str:
-    h = hashlib.sha256()
+    h = sha256()
     view = memoryview(buf)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)

@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from broker import failpoints
-from broker.backends import localnet, localprocs
+from broker.backends import localnet, localprocs, localpyc
 from broker.backends.base import (
     INBOX,
     LABEL_INSTALLATION,
@@ -414,8 +414,8 @@ class LocalBackend:
             argv += ["--bind", str(workspace), workdir]
         argv += [
             "--ro-bind",
-            str(self.execd_dir),
-            "/sandman/execd",
+            str(self._execd_copy() or self.execd_dir),
+            localpyc.SOURCE_MOUNT,
             "--ro-bind",
             str(self._inbox(spec.name)),
             INBOX,
@@ -446,17 +446,19 @@ class LocalBackend:
             argv += ["--sync-fd", str(fds.sync)]
         for key, value in spec.env.items():
             argv += ["--setenv", key, value]
+        argv += ["--", *python, *localpyc.EXECD_FLAGS, "-m", "execd"]
         argv += [
-            "--",
-            *python,
-            "-m",
-            "execd",
             "--listen-fd",
             str(fds.listener),
             "--workdir",
             workdir,
         ]
         return argv
+
+    def _execd_copy(self) -> Path | None:
+        """execd with its bytecode for this backend's interpreter (see localpyc): made on
+        the first create after an edit of its sources, then found by its key."""
+        return localpyc.compiled_copy(self.root, [self.python], self.execd_dir)
 
     def _host_root_argv(self, mark: str) -> list[str]:
         """The benchmark-only host root: a fresh tmpfs with every top-level host directory

@@ -4,8 +4,9 @@
         async with client.acquire(image=..., job=...) as sb:
             await sb.exec("make test", timeout=600)
 
-Redis calls use ``redis.asyncio`` and execd calls one shared ``httpx.AsyncClient``
-(keep-alive); only the enqueue goes through Celery's (blocking) producer, in a thread.
+Redis calls use ``redis.asyncio``; each sandbox's execd calls go through a keep-alive
+``httpx.AsyncClient`` of its own (``SandboxPools``); only the enqueue goes through
+Celery's (blocking) producer, in a thread.
 Every decision (messages, claim, mailbox wait, heartbeat schedule) comes from
 ``broker.client.core``, as in ``broker.client.sync``: leases are renewed at a third of
 their length by one task per client, group acquires are one publish batch, and a wait
@@ -17,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
+import ssl
 import time
 from collections.abc import AsyncIterator, Iterable
 from typing import Any, Unpack
@@ -42,6 +44,7 @@ class AsyncSandbox(SandboxBase, AsyncExecdCalls):
     def __init__(self, client: AsyncSandboxClient, lease: Lease, *, acquire_s: float) -> None:
         super().__init__(lease, acquire_s=acquire_s)
         self.client = client
+        self.http = client.pools.open(self)
 
     def __repr__(self) -> str:
         return f"AsyncSandbox({self.id!r}, address={self.lease.address!r})"
@@ -55,13 +58,13 @@ class AsyncSandbox(SandboxBase, AsyncExecdCalls):
     async def _send(self, call: Call) -> dict[str, Any]:
         self._check_held()
         try:
-            return await self._execd.send_async(self.client.http, call)
+            return await self._execd.send_async(self.http, call)
         except SandboxLost as exc:
             raise await self._lost(exc) from exc
 
     def _stream(self, call: Call) -> AsyncIterator[RunChunk | RunResult]:
         self._check_held()
-        return self._guarded(self._execd.stream_async(self.client.http, call))
+        return self._guarded(self._execd.stream_async(self.http, call))
 
     async def _guarded(
         self, items: AsyncIterator[RunChunk | RunResult]
@@ -85,7 +88,9 @@ class AsyncSandbox(SandboxBase, AsyncExecdCalls):
         return error
 
     async def healthy(self, timeout: float = 2.0) -> bool:
-        return await self._execd.healthy_async(self.client.http, timeout)
+        if self.released:  # its pool is closed; the lease is no longer this trainer's
+            return False
+        return await self._execd.healthy_async(self.http, timeout)
 
     def start_heartbeat(self, interval_s: float) -> None:
         self.client.heartbeats.add(self.id, interval_s)
@@ -94,7 +99,10 @@ class AsyncSandbox(SandboxBase, AsyncExecdCalls):
         """Idempotent: queue the release (checked reuse or delete happens in a worker)."""
         if self._first_release():
             self.client.heartbeats.remove(self.id)
-            await self.client.send(*core.release_message(self.id))
+            try:
+                await self.client.send(*core.release_message(self.id))
+            finally:
+                await self.client.pools.close(self)
 
     # -- snapshots (running processes are never captured: see broker.wire.snapshots) ----
 
@@ -111,6 +119,7 @@ class AsyncSandbox(SandboxBase, AsyncExecdCalls):
         if release:
             self._first_release()
             self.client.heartbeats.remove(self.id)
+            await self.client.pools.close(self)
         fields = {"sandbox_id": self.id, "paths": paths, "ttl_s": ttl_s, "release": release}
         try:
             return await self.client._snapshot_op("capture", timeout, **fields)
@@ -135,6 +144,40 @@ class AsyncSandbox(SandboxBase, AsyncExecdCalls):
         """Snapshot, then n restored sandboxes, each settled on its own (sync ``fork``)."""
         snap = await self.snapshot(paths, ttl_s=ttl_s, timeout=timeout)
         return await self.client.restore_many(n, snap, **self.spec)
+
+
+class SandboxPools:
+    """One small ``httpx.AsyncClient`` (connection pool) per held sandbox.
+
+    One pool shared by every sandbox does not scale with how many a trainer holds:
+    httpcore scans all of a pool's connections and queued requests on every request
+    and every release, under one lock, so 500 sandboxes (500+ connections) with 200
+    concurrent execs cost the trainer 7-13 ms of CPU per exec and capped it at 17-33
+    execs/s (bench/trainer_scale.py; 0.6 ms and 700-900/s with a pool per sandbox).
+    Pools share one SSL context: httpx would otherwise build one per client (28 ms
+    and 0.8 MiB each; execd is plain HTTP, so it is never used).
+    """
+
+    def __init__(self, options: dict[str, Any]) -> None:
+        self._options = options
+        self._ssl: ssl.SSLContext | None = None
+        self._open: dict[int, httpx.AsyncClient] = {}
+
+    def open(self, sandbox: AsyncSandbox) -> httpx.AsyncClient:
+        if self._ssl is None:
+            self._ssl = ssl.create_default_context()
+        http = httpx.AsyncClient(verify=self._ssl, **self._options)
+        self._open[id(sandbox)] = http
+        return http
+
+    async def close(self, sandbox: AsyncSandbox) -> None:
+        http = self._open.pop(id(sandbox), None)
+        if http is not None:
+            await http.aclose()
+
+    async def close_all(self) -> None:
+        pools, self._open = list(self._open.values()), {}
+        await asyncio.gather(*(p.aclose() for p in pools), return_exceptions=True)
 
 
 class AsyncHeartbeats:
@@ -183,7 +226,7 @@ class AsyncSandboxClient(ClientBase):
     def __init__(self, redis_url: str, **options: Unpack[ClientOptions]) -> None:
         super().__init__(redis_url, **options)
         self.redis = aredis.Redis.from_url(redis_url, **self.redis_options())
-        self.http = httpx.AsyncClient(**self.http_options())
+        self.pools = SandboxPools(self.sandbox_http_options())
         self.heartbeats = AsyncHeartbeats(self)
         # Ledger hand-outs of warm hits are sent off the trainer's critical path.
         self._later: set[asyncio.Task[None]] = set()
@@ -211,7 +254,7 @@ class AsyncSandboxClient(ClientBase):
     async def aclose(self) -> None:
         await self.heartbeats.close()
         await asyncio.gather(*self._later, return_exceptions=True)
-        await self.http.aclose()
+        await self.pools.close_all()
         await self.redis.aclose()  # type: ignore[attr-defined]  # stubs predate redis 5
         self.enqueuer.close()
 
@@ -366,6 +409,7 @@ class AsyncSandboxClient(ClientBase):
                     self._later.add(task)
                     task.add_done_callback(self._later.discard)
                     return sandbox
+                await self.pools.close(sandbox)
                 await self.send(*outcome)
         except RedisError as exc:
             raise ServiceUnavailable(f"Redis unreachable: {exc}") from exc

@@ -17,6 +17,8 @@ from broker.errors import SandboxLost
 from broker.wire.execd import Endpoint
 from broker.wire.types import Lease
 
+SANDBOX_KEEPALIVE = 8  # idle connections kept per sandbox by a per-sandbox pool
+
 
 class ClientOptions(TypedDict, total=False):
     """The keyword options of both clients: ``SandboxClient(url, owner=..., ...)``."""
@@ -52,6 +54,14 @@ class ClientBase:
         be kept alive, so a burst of calls does not reconnect."""
         n = self.max_connections
         limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
+        return {"limits": limits, "timeout": core.HTTP_TIMEOUT_S}
+
+    def sandbox_http_options(self) -> dict[str, Any]:
+        """The same for a pool that serves one sandbox (the async client's): as many
+        calls at once as the client allows, a few connections kept alive for the next."""
+        limits = httpx.Limits(
+            max_connections=self.max_connections, max_keepalive_connections=SANDBOX_KEEPALIVE
+        )
         return {"limits": limits, "timeout": core.HTTP_TIMEOUT_S}
 
 

@@ -231,6 +231,7 @@ def pod_manifest(
                     "imagePullPolicy": "IfNotPresent",
                     "command": [
                         "python3",
+                        "-S",  # no site: execd is stdlib-only (memory, start time)
                         "-m",
                         "execd",
                         "--listen",

@@ -348,3 +348,26 @@ def _live(sessions: Any, job: str) -> int:
     with sessions() as session:
         rows = session.scalars(select(Sandbox).where(Sandbox.job == job)).all()
         return sum(row.state not in (State.DELETED, State.FAILED) for row in rows)
+
+
+def test_async_sandboxes_each_have_a_pool_closed_on_release(stack: Settings, sessions: Any) -> None:
+    """Each held sandbox's execd calls go through its own pool (a shared one scans every
+    connection of every sandbox per request); release closes it."""
+    job = _job(sessions, "pools")
+
+    async def main() -> None:
+        async with AsyncSandboxClient(stack.redis_url, owner="pools") as client:
+            a = await client.open(image=IMAGE, job=job, timeout=60)
+            b = await client.open(image=IMAGE, job=job, timeout=60)
+            assert a.http is not b.http
+            assert (await a.exec("echo a")).stdout == "a\n"
+            assert (await b.exec("echo b")).stdout == "b\n"
+            await a.release()
+            assert a.http.is_closed and not b.http.is_closed
+            assert not await a.healthy()
+            assert (await b.exec("echo b")).stdout == "b\n"
+            await b.release()
+            assert b.http.is_closed
+
+    asyncio.run(main())
+    _until(lambda: _live(sessions, job) == 0, "a released sandbox stayed")
