@@ -285,7 +285,7 @@ class Broker:
             except (CreateFailed, InvalidRequest) as exc:
                 log.info("hand-out of %s skipped: %s", sandbox_id, exc)
                 return
-            self.pools.upkeep_job(job)  # a hand-out triggers a paced replacement
+            self.pools.upkeep_job(job, maintain=False)  # a paced replacement, counts only
 
     # -- release, heartbeat -------------------------------------------------------------
 
