@@ -123,12 +123,13 @@ class AsyncHeartbeats:
         self._task: asyncio.Task[None] | None = None
 
     def add(self, sandbox_id: str, interval_s: float) -> None:
-        self._schedule.add(sandbox_id, interval_s, time.monotonic())
+        sooner = self._schedule.add(sandbox_id, interval_s, time.monotonic())
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(
                 self._run(), name="sandman-heartbeats"
             )
-        self._wake.set()
+        if sooner:  # else the loop already wakes in time: a burst of acquires stays quiet
+            self._wake.set()
 
     def remove(self, sandbox_id: str) -> None:
         self._schedule.remove(sandbox_id)
@@ -158,7 +159,14 @@ class AsyncSandboxClient(ClientBase):
 
     def __init__(self, redis_url: str, **options: Unpack[ClientOptions]) -> None:
         super().__init__(redis_url, **options)
-        self.redis = aredis.Redis.from_url(redis_url, **self.redis_options())
+        # A blocking pool: past ``max_connections`` in flight (a thousand concurrent
+        # acquires), a call waits for a free connection instead of failing with
+        # "Too many connections" (the default pool's answer, a ServiceUnavailable here).
+        pool: Any = aredis.BlockingConnectionPool.from_url(
+            redis_url, timeout=core.POOL_WAIT_S, **self.redis_options()
+        )
+        # from_pool: the client owns the pool and closes it (stubs predate redis 5)
+        self.redis: aredis.Redis[bytes] = aredis.Redis.from_pool(pool)  # type: ignore[attr-defined]
         self.http = httpx.AsyncClient(**self.http_options())
         self.heartbeats = AsyncHeartbeats(self)
         # Ledger hand-outs of warm hits are sent off the trainer's critical path.
