@@ -35,6 +35,7 @@ REFILL_BUDGET_S = 900.0  # a refill waits this long for a pacer token before giv
 UPKEEP_LOCK_TTL_S = 30
 
 
+REFILL_BATCH = 500  # refill intents per pool and pass; far above any pacer's 5 s worth
 EXPIRE_BATCH = 1_000  # idle members released per pool and pass (the next beat does more)
 REPAIR_EVERY_S = 60  # a pool's O(pool) repair runs at most this often
 REPAIR_BATCH = 1_000  # republish decisions per pipelined round trip
@@ -224,7 +225,9 @@ class PoolUpkeep:
         return trimmed
 
     def _refill(self, job_name: str, cfg: PoolConfig, missing: int, counts: dict[str, int]) -> None:
-        for _ in range(max(0, missing)):
+        """Intents for up to ``REFILL_BATCH`` missing members (the next beat writes more):
+        a pass filling 5,000 at once outlived its lock and a second pass overfilled."""
+        for _ in range(max(0, min(missing, REFILL_BATCH))):
             request = cfg.member_request(job_name)
             try:
                 sandbox_id, _token = self.provider.intent(request)
