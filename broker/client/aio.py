@@ -61,7 +61,7 @@ class AsyncSandbox(SandboxBase, AsyncExecdCalls):
         return self._execd.stream_async(self.client.http, call)
 
     async def healthy(self, timeout: float = 2.0) -> bool:
-        return await self._execd.healthy_async(self.client.http, timeout)
+        return await self._execd.healthy_bare(timeout)
 
     def start_heartbeat(self, interval_s: float) -> None:
         self.client.heartbeats.add(self.id, interval_s)
