@@ -145,15 +145,15 @@ class Bench:
         if self.h is None:
             self.publish(job, size)
             return time.monotonic() - t0
-        last = 0.0
+        last, had = t0, self.warm.size(job, self.key)
         while (have := self.warm.size(job, self.key)) < size:
             if time.monotonic() - t0 > self.args.fill_timeout:
                 raise RuntimeError(
                     f"{label}: {have} of {size} warm after {self.args.fill_timeout} s"
                 )
             if time.monotonic() - last >= 10:
-                last = time.monotonic()
-                rate = have / max(last - t0, 1e-9)
+                rate = (have - had) / (time.monotonic() - last)  # published per s, lately
+                last, had = time.monotonic(), have
                 print(
                     f"[{label} {last - t0:5.0f}s] warm {have:5d} / {size} ({rate:.1f}/s)",
                     flush=True,

@@ -173,6 +173,7 @@ class AsyncSandboxClient(ClientBase):
         # hand-outs of all claims that land together as one publish batch.
         self._later: set[asyncio.Task[None]] = set()
         self._handouts: list[core.Outbound] = []
+        self._health_turns = asyncio.Semaphore(core.WARM_HEALTH_CONCURRENCY)
         self._claim = self.redis.register_script(warm.CLAIM_LUA)
         self._cancel = self.redis.register_script(mailbox.CANCEL_LUA)
 
@@ -345,7 +346,8 @@ class AsyncSandboxClient(ClientBase):
                 sandbox = AsyncSandbox(
                     self, lease, acquire_s=core.acquire_seconds(request, time.time())
                 )
-                healthy = await sandbox.healthy(timeout=core.WARM_HEALTH_TIMEOUT_S)
+                async with self._health_turns:
+                    healthy = await sandbox.healthy(timeout=core.WARM_HEALTH_TIMEOUT_S)
                 outcome = core.warm_outcome(lease, request, self.owner, sandbox.acquire_s, healthy)
                 if healthy:
                     self._hand_out_later(outcome)

@@ -38,6 +38,10 @@ POP_WAIT_S = 5.0  # one blocking pop; below the Redis socket timeout of the tran
 DEFAULT_HEARTBEAT_S = 60.0  # when a lease carries no expiry
 MIN_HEARTBEAT_S = 1.0
 WARM_HEALTH_TIMEOUT_S = 1.0
+# Health checks in flight at once per async client. The timeout starts when a check gets
+# its turn: a thousand started together timed out on the trainer's own busy loop, and each
+# timeout released (deleted) a healthy warm pod, so a burst of claims emptied the pool.
+WARM_HEALTH_CONCURRENCY = 64
 # Blocking pops wait up to POP_WAIT_S: the socket timeout must be longer (redis-py 8
 # defaults it to 5 s).
 REDIS_OPTIONS: dict[str, Any] = {"socket_timeout": 30, "socket_connect_timeout": 5}
