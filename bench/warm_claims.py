@@ -347,13 +347,13 @@ def trainer_only(args: argparse.Namespace, doc: dict[str, Any]) -> int:
     """The trainer's side alone, on a Redis of this run's own (stopped and removed after)."""
     import shutil
 
-    from bench.common import OUT, bench_env
+    from bench.common import OUT, bench_env, free_port
     from broker.local.services import ensure_redis, stop_redis
     from broker.settings import Settings
 
     state = OUT / "state-warm-trainer"
     env = bench_env(
-        state, pg_port=25443, redis_port=26390, backend="local", installation=doc["tag"]
+        state, pg_port=free_port(), redis_port=free_port(), backend="local", installation=doc["tag"]
     )
     os.environ.update(env)
     settings = Settings.from_env()
