@@ -140,6 +140,9 @@ def pools(
         assert svc.warm.size(job, KEY) == size
     svc.enqueued = enqueued  # type: ignore[attr-defined]
     yield svc, backend, jobs
+    with sessions.begin() as session:  # no later test's workers may refill these pools
+        for job in jobs.values():
+            store.ensure_job(session, job, warm_pools=[])
     with sessions() as session:
         ids = list(session.scalars(select(Sandbox.id).where(Sandbox.job.in_(jobs.values()))))
     for sandbox_id in ids:
