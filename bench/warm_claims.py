@@ -39,6 +39,7 @@ import io
 import json
 import os
 import pstats
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -46,7 +47,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import save, summary
+from bench.common import OUT, save, summary
 from bench.kube_stack import CPU, IMAGE, MEMORY, Harness, stack_arguments
 from bench.kwok import ensure_kwok_job
 
@@ -100,7 +101,7 @@ class Bench:
         import secrets
         import subprocess
 
-        from bench.common import OUT, REPO
+        from bench.common import REPO
 
         for i in range(n):
             log = OUT / f"warm-claims-execd-{i}.log"
@@ -339,15 +340,17 @@ def finish(bench: Bench, doc: dict[str, Any]) -> None:
     finally:
         for proc in bench.execds:
             proc.terminate()
+        for proc in bench.execds:
+            proc.wait(30)
+        for path in OUT.glob("warm-claims-execd-*"):  # their workdirs and logs
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
         save(bench.name, doc)
         bench.redis.close()
 
 
 def trainer_only(args: argparse.Namespace, doc: dict[str, Any]) -> int:
     """The trainer's side alone, on a Redis of this run's own (stopped and removed after)."""
-    import shutil
-
-    from bench.common import OUT, bench_env, free_port
+    from bench.common import bench_env, free_port
     from broker.local.services import ensure_redis, stop_redis
     from broker.settings import Settings
 
@@ -363,7 +366,14 @@ def trainer_only(args: argparse.Namespace, doc: dict[str, Any]) -> int:
         bench.start_execds(args.execds)
         finish(bench, doc)
     finally:
+        pidfile = state / "redis" / "redis.pid"
+        pid = int(pidfile.read_text()) if pidfile.exists() else None
         stop_redis(settings)
+        # Redis saves on its way out and refuses to exit if it cannot: the state dir goes
+        # only once it is gone.
+        deadline = time.monotonic() + 60
+        while pid and Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
         shutil.rmtree(state, ignore_errors=True)
     return 0
 
