@@ -52,6 +52,9 @@ def stack_arguments(
     parser.add_argument("--waiters", type=int, default=waiters)
     parser.add_argument("--extra-acquire-workers", type=int, default=extra_acquire_workers)
     parser.add_argument("--extra-release-workers", type=int, default=0)
+    parser.add_argument(
+        "--extra-pool-workers", type=int, default=0, help="64-thread workers for warm refills"
+    )
     parser.add_argument("--release-timeout", type=float, default=release_timeout)
     parser.add_argument("--keep-namespace", action="store_true")
     return parser
@@ -115,6 +118,7 @@ class Harness:
         self.extra: list[subprocess.Popen[bytes]] = []
         extra = [(Queue.ACQUIRE, 48)] * args.extra_acquire_workers
         extra += [(Queue.RELEASE, 32)] * getattr(args, "extra_release_workers", 0)
+        extra += [(Queue.POOL, 64)] * getattr(args, "extra_pool_workers", 0)
         for i, (queue_name, threads) in enumerate(extra):
             log = (self.stack.logs / f"worker-{queue_name}-extra{i}.log").open("ab")
             argv = worker_argv(f"{queue_name}{i}", queue_name, threads, "WARNING")

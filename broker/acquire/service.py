@@ -359,7 +359,7 @@ class Broker:
             with self.sessions() as session:
                 timeout_s = self.provider.job(session, job).idle_timeout_s
             self.idle.register(sandbox_id, timeout_s)
-            self.pools.upkeep_job(job)  # a hand-out triggers a paced replacement
+            self.pools.upkeep_job(job, maintain=False)  # a paced replacement, counts only
 
     # -- release, heartbeat -------------------------------------------------------------
 

@@ -90,7 +90,7 @@ class AsyncSandbox(SandboxBase, AsyncExecdCalls):
     async def healthy(self, timeout: float = 2.0) -> bool:
         if self.released:  # its pool is closed; the lease is no longer this trainer's
             return False
-        return await self._execd.healthy_async(self.http, timeout)
+        return await self._execd.healthy_bare(timeout)
 
     def start_heartbeat(self, interval_s: float) -> None:
         self.client.heartbeats.add(self.id, interval_s)
@@ -190,12 +190,13 @@ class AsyncHeartbeats:
         self._task: asyncio.Task[None] | None = None
 
     def add(self, sandbox_id: str, interval_s: float) -> None:
-        self._schedule.add(sandbox_id, interval_s, time.monotonic())
+        sooner = self._schedule.add(sandbox_id, interval_s, time.monotonic())
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(
                 self._run(), name="sandman-heartbeats"
             )
-        self._wake.set()
+        if sooner:  # else the loop already wakes in time: a burst of acquires stays quiet
+            self._wake.set()
 
     def remove(self, sandbox_id: str) -> None:
         self._schedule.remove(sandbox_id)
@@ -225,11 +226,21 @@ class AsyncSandboxClient(ClientBase):
 
     def __init__(self, redis_url: str, **options: Unpack[ClientOptions]) -> None:
         super().__init__(redis_url, **options)
-        self.redis = aredis.Redis.from_url(redis_url, **self.redis_options())
+        # A blocking pool: past ``max_connections`` in flight (a thousand concurrent
+        # acquires), a call waits for a free connection instead of failing with
+        # "Too many connections" (the default pool's answer, a ServiceUnavailable here).
+        pool: Any = aredis.BlockingConnectionPool.from_url(
+            redis_url, timeout=core.POOL_WAIT_S, **self.redis_options()
+        )
+        # from_pool: the client owns the pool and closes it (stubs predate redis 5)
+        self.redis: aredis.Redis[bytes] = aredis.Redis.from_pool(pool)  # type: ignore[attr-defined]
         self.pools = SandboxPools(self.sandbox_http_options())
         self.heartbeats = AsyncHeartbeats(self)
-        # Ledger hand-outs of warm hits are sent off the trainer's critical path.
+        # Ledger hand-outs of warm hits are sent off the trainer's critical path, the
+        # hand-outs of all claims that land together as one publish batch.
         self._later: set[asyncio.Task[None]] = set()
+        self._handouts: list[core.Outbound] = []
+        self._health_turns = asyncio.Semaphore(core.WARM_HEALTH_CONCURRENCY)
         self._claim = self.redis.register_script(warm.CLAIM_LUA)
         self._cancel = self.redis.register_script(mailbox.CANCEL_LUA)
 
@@ -402,18 +413,37 @@ class AsyncSandboxClient(ClientBase):
                 sandbox = AsyncSandbox(
                     self, lease, acquire_s=core.acquire_seconds(request, time.time())
                 )
-                healthy = await sandbox.healthy(timeout=core.WARM_HEALTH_TIMEOUT_S)
+                async with self._health_turns:
+                    healthy = await sandbox.healthy(timeout=core.WARM_HEALTH_TIMEOUT_S)
                 outcome = core.warm_outcome(lease, request, self.owner, sandbox.acquire_s, healthy)
                 if healthy:
-                    task = asyncio.get_running_loop().create_task(self.send_all([outcome]))
-                    self._later.add(task)
-                    task.add_done_callback(self._later.discard)
+                    self._hand_out_later(outcome)
                     return sandbox
                 await self.pools.close(sandbox)
                 await self.send(*outcome)
         except RedisError as exc:
             raise ServiceUnavailable(f"Redis unreachable: {exc}") from exc
         return None
+
+    def _hand_out_later(self, outcome: core.Outbound) -> None:
+        """Queue a hand-out; the first of a burst starts the task that sends them all.
+
+        One publish (a thread hop and a Redis round trip) per claim cost the trainer more
+        CPU than the claim itself; a thousand concurrent claims now share a few batches."""
+        self._handouts.append(outcome)
+        if len(self._handouts) == 1:
+            task = asyncio.get_running_loop().create_task(self._send_handouts())
+            self._later.add(task)
+            task.add_done_callback(self._later.discard)
+
+    async def _send_handouts(self) -> None:
+        await asyncio.sleep(0)  # the claims settling in this same loop pass join the batch
+        while self._handouts:
+            batch, self._handouts = self._handouts, []
+            try:
+                await self.send_all(batch)
+            except SandmanError:  # lost as one unsent hand-out was before: the claim's
+                continue  # marker keeps upkeep from offering that sandbox again meanwhile
 
     async def _wait(self, request: dict[str, Any]) -> AsyncSandbox:
         wait = core.MailboxWait(request)

@@ -18,6 +18,7 @@ Times are passed in (``now``), never read here, so unit tests drive them directl
 from __future__ import annotations
 
 import datetime as dt
+import heapq
 import json
 import os
 import socket
@@ -44,10 +45,15 @@ POP_WAIT_S = 5.0  # one blocking pop; below the Redis socket timeout of the tran
 DEFAULT_HEARTBEAT_S = 60.0  # when a lease carries no expiry
 MIN_HEARTBEAT_S = 1.0
 WARM_HEALTH_TIMEOUT_S = 1.0
+# Health checks in flight at once per async client. The timeout starts when a check gets
+# its turn: a thousand started together timed out on the trainer's own busy loop, and each
+# timeout released (deleted) a healthy warm pod, so a burst of claims emptied the pool.
+WARM_HEALTH_CONCURRENCY = 64
 # Blocking pops wait up to POP_WAIT_S: the socket timeout must be longer (redis-py 8
 # defaults it to 5 s).
 REDIS_OPTIONS: dict[str, Any] = {"socket_timeout": 30, "socket_connect_timeout": 5}
 HTTP_TIMEOUT_S = 60.0
+POOL_WAIT_S = 60.0  # the async client's wait for a free Redis connection (then an error)
 
 ACQUIRE_DEFAULTS: dict[str, Any] = {
     "cpu": 1,
@@ -297,16 +303,26 @@ def heartbeat_interval(lease: Lease, override: float | None, now: dt.datetime) -
 
 
 class HeartbeatSchedule:
-    """When each held lease is next due; the transports lock (sync) or not (async)."""
+    """When each held lease is next due; the transports lock (sync) or not (async).
+
+    A heap of (due, id) with lazy removal: adding, renewing and finding the next due
+    lease cost O(log held), so a trainer holding thousands of leases (or acquiring a
+    thousand at once) does not rescan all of them on every acquire and every wake."""
 
     IDLE_WAIT_S = 60.0
     MIN_WAIT_S = 0.05
 
     def __init__(self) -> None:
         self._next: dict[str, tuple[float, float]] = {}  # id -> (due, interval)
+        self._heap: list[tuple[float, str]] = []  # may hold stale entries; _next decides
 
-    def add(self, sandbox_id: str, interval_s: float, now: float) -> None:
-        self._next[sandbox_id] = (now + interval_s, interval_s)
+    def add(self, sandbox_id: str, interval_s: float, now: float) -> bool:
+        """Schedule a lease; True when it is now the soonest due (the loop must wake)."""
+        due = now + interval_s
+        soonest = self._soonest()
+        self._next[sandbox_id] = (due, interval_s)
+        heapq.heappush(self._heap, (due, sandbox_id))
+        return soonest is None or due < soonest
 
     def remove(self, sandbox_id: str) -> None:
         self._next.pop(sandbox_id, None)
@@ -316,12 +332,30 @@ class HeartbeatSchedule:
 
     def due(self, now: float) -> list[str]:
         """The ids to renew now, each rescheduled one interval later."""
-        ids = [sid for sid, (at, _) in self._next.items() if at <= now]
+        ids: dict[str, None] = {}  # ordered, and an id pushed twice is renewed once
+        while self._heap and self._heap[0][0] <= now:
+            at, sid = heapq.heappop(self._heap)
+            entry = self._next.get(sid)
+            if entry is not None and entry[0] == at:  # else released or rescheduled
+                ids[sid] = None
         for sid in ids:
-            self._next[sid] = (now + self._next[sid][1], self._next[sid][1])
-        return ids
+            interval = self._next[sid][1]
+            self._next[sid] = (now + interval, interval)
+            heapq.heappush(self._heap, (now + interval, sid))
+        return list(ids)
 
     def wait_s(self, now: float) -> float:
         """How long the renewal loop may sleep before something is due."""
-        soonest = min((at for at, _ in self._next.values()), default=now + self.IDLE_WAIT_S)
+        soonest = self._soonest()
+        soonest = now + self.IDLE_WAIT_S if soonest is None else soonest
         return max(self.MIN_WAIT_S, min(soonest - now, self.IDLE_WAIT_S))
+
+    def _soonest(self) -> float | None:
+        """The next due time, dropping stale heap entries on the way."""
+        while self._heap:
+            at, sid = self._heap[0]
+            entry = self._next.get(sid)
+            if entry is not None and entry[0] == at:
+                return at
+            heapq.heappop(self._heap)
+        return None

@@ -2,8 +2,11 @@
 
 Why the lease lives in Redis: a warm hit must not wait on Kubernetes or even on the
 ledger. Each warm sandbox is published as its full lease (address and token included)
-in a Redis hash, with its id queued in a list; a claim is one atomic Lua call (pop an
-id, take its lease, mark it claimed), so one warm sandbox never goes to two trainers.
+in a Redis hash, with its id queued in a sorted set scored by publish time; a claim is one
+atomic Lua call (pop the oldest id, take its lease, mark it claimed), so one warm sandbox
+never goes to two trainers. Every operation here is O(1) or O(log pool): nothing scans
+the pool (a list's LREM did, on every publish and withdraw), so a claim, a publish and a
+withdraw cost the same at pool size 10 and 10,000.
 The ledger catches up right after (``Provider.hand_out`` in a worker), and that hand-out
 enqueues a paced replacement. Upkeep (beat) refills to size, trims, and deletes warm
 sandboxes idle past the pool's ``idle_timeout_s`` (default 300 s, the paper's setting).
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import enum
 import json
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -34,21 +38,23 @@ _MEMBER_FIELDS = ("image", "image_digest", "base_commit", "cpu_m", "memory_b")
 # claim landing between "is it claimed?" and "is it published?" used to make upkeep
 # re-publish a sandbox a trainer had just taken, and a second trainer then claimed the
 # same sandbox (two rollouts in one workspace, #20 item 13); or upkeep released, as
-# idle, a member claimed a moment before. KEYS: id list, lease hash, claimed key.
-# REPUBLISH ARGV: id, lease. Answers 0 claimed, 1 re-published, 2 already published.
+# idle, a member claimed a moment before. KEYS: id queue, lease hash, claimed key.
+# REPUBLISH ARGV: id, lease, score. Answers 0 claimed, 1 re-published, 2 already
+# published (queued with its lease: a lease without its id is re-queued).
 REPUBLISH_LUA = """
 if redis.call('EXISTS', KEYS[3]) == 1 then return 0 end
-if redis.call('HEXISTS', KEYS[2], ARGV[1]) == 1 then return 2 end
+if redis.call('ZSCORE', KEYS[1], ARGV[1]) and redis.call('HEXISTS', KEYS[2], ARGV[1]) == 1 then
+  return 2
+end
 redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
-redis.call('LREM', KEYS[1], 0, ARGV[1])
-redis.call('LPUSH', KEYS[1], ARGV[1])
+redis.call('ZADD', KEYS[1], ARGV[3], ARGV[1])
 return 1
 """
 # RETIRE ARGV: id. Takes an unclaimed member out of circulation; 0 if it is claimed.
 RETIRE_LUA = """
 if redis.call('EXISTS', KEYS[3]) == 1 then return 0 end
 redis.call('HDEL', KEYS[2], ARGV[1])
-redis.call('LREM', KEYS[1], 0, ARGV[1])
+redis.call('ZREM', KEYS[1], ARGV[1])
 return 1
 """
 
@@ -131,8 +137,7 @@ class WarmStore:
         ids, leases = self._keys(job, key)
         pipe = self.redis.pipeline()
         pipe.hset(leases, lease.sandbox_id, json.dumps(lease.to_dict()))
-        pipe.lrem(ids, 0, lease.sandbox_id)
-        pipe.lpush(ids, lease.sandbox_id)
+        pipe.zadd(ids, {lease.sandbox_id: time.time()})
         pipe.delete(names.warm_claimed_key(lease.sandbox_id))
         pipe.execute()
 
@@ -144,15 +149,26 @@ class WarmStore:
     def withdraw(self, job: str, key: str, sandbox_id: str) -> bool:
         """Take a warm lease out of circulation; True only for the one caller that did."""
         ids, leases = self._keys(job, key)
-        taken = bool(self.redis.hdel(leases, sandbox_id))
-        self.redis.lrem(ids, 0, sandbox_id)
-        return taken
+        pipe = self.redis.pipeline()
+        pipe.hdel(leases, sandbox_id)
+        pipe.zrem(ids, sandbox_id)
+        taken, _ = pipe.execute()
+        return bool(taken)
 
     def republish(self, job: str, key: str, lease: Lease) -> Republished:
         """Offer again a member Redis lost, unless a trainer has claimed it meanwhile."""
-        keys = [*self._keys(job, key), names.warm_claimed_key(lease.sandbox_id)]
-        args = [lease.sandbox_id, json.dumps(lease.to_dict())]
-        return Republished(int(self._republish(keys=keys, args=args)))
+        return self.republish_many(job, key, [lease])[0]
+
+    def republish_many(self, job: str, key: str, leases: list[Lease]) -> list[Republished]:
+        """``republish`` for many members in one pipelined round trip (the upkeep's
+        repair pass), each decision still one atomic script call."""
+        pipe = self.redis.pipeline(transaction=False)
+        now = time.time()
+        for lease in leases:
+            keys = [*self._keys(job, key), names.warm_claimed_key(lease.sandbox_id)]
+            args = [lease.sandbox_id, json.dumps(lease.to_dict()), now]
+            self._republish(keys=keys, args=args, client=pipe)
+        return [Republished(int(answer)) for answer in pipe.execute()]
 
     def retire(self, job: str, key: str, sandbox_id: str) -> bool:
         """Withdraw a member to delete it; False when a trainer has claimed it (keep it)."""
@@ -164,3 +180,8 @@ class WarmStore:
 
     def size(self, job: str, key: str) -> int:
         return int(self.redis.hlen(self._keys(job, key)[1]))
+
+    def queued(self, job: str, key: str) -> int:
+        """How many ids wait in the pool's queue (O(1)): the upkeep compares it with the
+        ledger's count to decide whether a repair pass is worth its O(pool) cost."""
+        return int(self.redis.zcard(self._keys(job, key)[0]))

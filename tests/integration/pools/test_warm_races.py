@@ -44,7 +44,7 @@ class ClaimMidway:
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self._real, name)
-        if name not in ("exists", "hexists", "hget", "hgetall", "lrange") or self.fired:
+        if name not in ("exists", "hexists", "hget", "hgetall", "zcard") or self.fired:
             return attr
 
         def read_then_claim(*args: Any, **kwargs: Any) -> Any:

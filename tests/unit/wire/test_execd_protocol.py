@@ -194,3 +194,27 @@ def test_stream_errors_and_truncation_are_typed() -> None:
     cut.feed(_frame(type="keepalive"))
     with pytest.raises(SandboxLost, match="without a result"):
         cut.end()
+
+
+def test_the_bare_health_check_is_true_only_for_a_200() -> None:
+    """The async warm claim's check: a 200 is healthy; another status, a daemon that
+    closes without answering and a refused connection are not (as ``healthy``)."""
+
+    async def run() -> list[bool]:
+        answers = iter([b"HTTP/1.1 200 OK\r\n\r\n{}", b"HTTP/1.1 503 Busy\r\n\r\n", b""])
+
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(next(answers))
+            writer.close()
+
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        endpoint = execd.Endpoint(f"127.0.0.1:{port}", "t" * 32)
+        seen = [await endpoint.healthy_bare(5.0) for _ in range(3)]
+        server.close()
+        await server.wait_closed()
+        seen.append(await endpoint.healthy_bare(5.0))  # nobody listens any more
+        return seen
+
+    assert asyncio.run(run()) == [True, False, False, False]
