@@ -24,7 +24,6 @@ variables that name the sandbox itself (``OWN_VARS``: the new sandbox keeps its 
 """
 
 import contextlib
-import hashlib
 import json
 import os
 import stat
@@ -263,6 +262,8 @@ class Snapshots:
             )
         except OSError as exc:
             raise files.os_error(exc, path) from None
+        import hashlib  # loads libcrypto (3 MiB): only when a restore writes
+
         digest, got = hashlib.sha256(), 0
         try:
             try:

@@ -12,6 +12,7 @@ passes counting the same in-flight rows would overfill the pool.
 from __future__ import annotations
 
 import datetime as dt
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -20,7 +21,7 @@ from sqlalchemy import func, or_, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from broker import names
-from broker.errors import AtCapacity, QuotaExceeded
+from broker.errors import AtCapacity, QuotaExceeded, SandmanError
 from broker.ledger import store
 from broker.ledger.models import Job, Sandbox, utcnow
 from broker.ledger.states import State
@@ -33,6 +34,8 @@ from broker.wire.types import Lease
 Enqueue = Callable[[str, list[Any], str], None]
 REFILL_BUDGET_S = 900.0  # a refill waits this long for a pacer token before giving up
 UPKEEP_LOCK_TTL_S = 30
+
+log = logging.getLogger(__name__)
 
 
 REFILL_BATCH = 500  # refill intents per pool and pass; far above any pacer's 5 s worth
@@ -109,7 +112,17 @@ class PoolUpkeep:
                     .distinct()
                 )
             )
-        return {job: self.upkeep_job(job) for job in sorted(jobs)}
+        return {job: self._upkeep_isolated(job) for job in sorted(jobs)}
+
+    def _upkeep_isolated(self, job_name: str) -> dict[str, Any]:
+        """One job's upkeep, its typed failure kept to itself: a job whose pool names a
+        missing image (or whose tenant is over quota) must not stop every job after it
+        in the pass from being refilled."""
+        try:
+            return self.upkeep_job(job_name)
+        except SandmanError as exc:
+            log.warning("pool upkeep of job %s failed: %s", job_name, exc)
+            return {"error": exc.code}
 
     def upkeep_job(self, job_name: str, *, maintain: bool = True) -> dict[str, int]:
         """Refill to size; with ``maintain`` (the beat) also expire idle members, trim, and

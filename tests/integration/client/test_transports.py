@@ -157,7 +157,7 @@ def _row(sessions: Any, sandbox_id: str) -> Sandbox:
         return row
 
 
-def _until(predicate: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
+def _until(predicate: Callable[[], bool], what: str, timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
         assert time.monotonic() < deadline, what

@@ -4,6 +4,7 @@ import base64
 import hashlib
 import json
 import os
+import secrets
 import stat
 
 import pytest
@@ -11,6 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 pytestmark = pytest.mark.integration
+# A path no test run has made: a refusal must not depend on what /tmp holds on this host.
+NEW_FILE = f"/tmp/sandman-refused-{secrets.token_hex(6)}/x"
 FAST = settings(
     max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
@@ -75,13 +78,13 @@ def test_read_refusals(client, body, status, code):
 @pytest.mark.parametrize(
     ("body", "code"),
     [
-        ({"path": "/tmp/x", "content_b64": "!!!notbase64"}, "invalid_base64"),
-        ({"path": "/tmp/x", "content_b64": "YWJj="}, "invalid_base64"),
-        ({"path": "/tmp/x", "content_b64": 12}, "invalid_field"),
-        ({"path": "/tmp/x"}, "missing_field"),
-        ({"path": "/tmp/x", "content_b64": "", "mode": "644"}, "invalid_field"),
-        ({"path": "/tmp/x", "content_b64": "", "mode": True}, "invalid_field"),
-        ({"path": "/tmp/x", "content_b64": "", "mode": 0o17777}, "invalid_field"),
+        ({"path": NEW_FILE, "content_b64": "!!!notbase64"}, "invalid_base64"),
+        ({"path": NEW_FILE, "content_b64": "YWJj="}, "invalid_base64"),
+        ({"path": NEW_FILE, "content_b64": 12}, "invalid_field"),
+        ({"path": NEW_FILE}, "missing_field"),
+        ({"path": NEW_FILE, "content_b64": "", "mode": "644"}, "invalid_field"),
+        ({"path": NEW_FILE, "content_b64": "", "mode": True}, "invalid_field"),
+        ({"path": NEW_FILE, "content_b64": "", "mode": 0o17777}, "invalid_field"),
         ({"path": "x", "content_b64": ""}, "relative_path"),
         ({"path": "/tmp/", "content_b64": ""}, "is_directory"),
     ],
