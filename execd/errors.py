@@ -19,7 +19,11 @@ one of these first.
      +-- Unavailable     503  no slot or no bash
 """
 
-from typing import Optional
+from __future__ import annotations
+
+TYPE_CHECKING = False  # no typing at run time (see execd/__init__.py)
+if TYPE_CHECKING:
+    from typing import Optional
 
 
 class ExecdError(Exception):

@@ -16,11 +16,16 @@ take. One watchdog thread enforces every deadline by shutting the socket
 down, which wakes the handler thread blocked in ``recv`` with an EOF.
 """
 
+from __future__ import annotations
+
 import contextlib
 import socket
 import threading
 import time
-from typing import Any, Dict
+
+TYPE_CHECKING = False  # no typing at run time (see execd/__init__.py)
+if TYPE_CHECKING:
+    from typing import Any, Dict
 
 
 class Gate:

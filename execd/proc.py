@@ -8,11 +8,18 @@ Processes are stopped first and killed after a rescan, so a fork racing the
 kill cannot escape.
 """
 
+from __future__ import annotations
+
 import contextlib
 import os
 import signal
 import time
-from typing import Callable, Dict, Iterable, List, NamedTuple, Optional, Set
+
+TYPE_CHECKING = False  # no typing at run time (see execd/__init__.py)
+if TYPE_CHECKING:
+    from typing import Callable, Dict, Iterable, List, NamedTuple, Optional, Set
+else:
+    from .records import NamedTuple
 
 
 class ProcInfo(NamedTuple):
@@ -23,8 +30,9 @@ class ProcInfo(NamedTuple):
     start: int  # clock ticks since boot: (pid, start) names a process uniquely
 
 
-# pid -> its /proc/<pid>/stat, one snapshot of the process table
-Table = Dict[int, ProcInfo]
+if TYPE_CHECKING:
+    # pid -> its /proc/<pid>/stat, one snapshot of the process table
+    Table = Dict[int, ProcInfo]
 
 
 def read_stat(pid: int) -> Optional[ProcInfo]:

@@ -9,6 +9,8 @@ attributed to that call, as in a terminal). On timeout the call's processes are
 killed and bash is unwound out of the command (see bashproto).
 """
 
+from __future__ import annotations
+
 import contextlib
 import fcntl
 import os
@@ -16,11 +18,16 @@ import select
 import signal
 import threading
 import time
-from typing import Dict, List, NamedTuple, Optional, Set, Tuple
 
 from . import bashproto, logs, proc
 from .output import BoundedCapture, read_pipe
 from .reaper import Reaper
+
+TYPE_CHECKING = False  # no typing at run time (see execd/__init__.py)
+if TYPE_CHECKING:
+    from typing import Dict, List, NamedTuple, Optional, Set, Tuple
+else:
+    from .records import NamedTuple
 
 log = logs.getLogger("execd.session")
 
