@@ -8,7 +8,6 @@ three from the environment before bash is started, so no command can see it.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import sys
@@ -19,6 +18,7 @@ from . import rundir as rundir_mod
 from .api import App
 from .cli import parse_args
 from .cpus import pin_visible_cpus
+from .errors import suppress
 from .reaper import Reaper, become_subreaper
 from .server import Server
 from .session import Launch
@@ -111,7 +111,7 @@ def _read_fd(raw: str) -> str:
     except (OSError, UnicodeDecodeError) as exc:
         raise SystemExit("execd: cannot read SANDMAN_EXECD_TOKEN_FD: %s" % exc) from None
     finally:
-        with contextlib.suppress(OSError):
+        with suppress(OSError):
             os.close(fd)
 
 
@@ -166,7 +166,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     token = read_token(args.insecure_no_auth)
     if args.listen_fd is not None:
         # Before bash or any run starts: no command in the sandbox may inherit it.
-        with contextlib.suppress(OSError):
+        with suppress(OSError):
             os.set_inheritable(args.listen_fd, False)
     if not token:
         log.warning("serving WITHOUT authentication (--insecure-no-auth)")
@@ -175,7 +175,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         raise SystemExit("execd: bash not found")
     workdir = os.path.abspath(args.workdir or os.getcwd())
     if args.make_workdir:
-        with contextlib.suppress(OSError):  # not ours to create: refused just below
+        with suppress(OSError):  # not ours to create: refused just below
             os.makedirs(workdir, exist_ok=True)
     if not os.path.isdir(workdir):
         raise SystemExit("execd: --workdir %s is not a directory" % workdir)

@@ -12,7 +12,6 @@ verifies length and SHA-256 of what landed on disk.
 from __future__ import annotations
 
 import binascii
-import contextlib
 import errno
 import os
 import re
@@ -20,6 +19,7 @@ import stat
 
 from . import errors
 from .edit import SHELL_HINT, apply_edit
+from .errors import suppress
 from .server import Close, Response
 
 TYPE_CHECKING = False  # no typing at run time (see execd/__init__.py)
@@ -214,7 +214,7 @@ def write_atomic(
                 while view:
                     view = view[os.write(fd, view) :]
             if old is not None:
-                with contextlib.suppress(OSError):
+                with suppress(OSError):
                     os.fchown(fd, old.st_uid, old.st_gid)
             os.fchmod(fd, mode)
             os.fsync(fd)
@@ -222,11 +222,11 @@ def write_atomic(
             os.close(fd)
         os.rename(tmp, target)
     except OSError as exc:
-        with contextlib.suppress(OSError):
+        with suppress(OSError):
             os.unlink(tmp)
         raise os_error(exc, path) from None
     except BaseException:
-        with contextlib.suppress(OSError):
+        with suppress(OSError):
             os.unlink(tmp)
         raise
     _fsync_dir(parent)

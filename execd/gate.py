@@ -18,10 +18,11 @@ down, which wakes the handler thread blocked in ``recv`` with an EOF.
 
 from __future__ import annotations
 
-import contextlib
 import socket
 import threading
 import time
+
+from .errors import suppress
 
 TYPE_CHECKING = False  # no typing at run time (see execd/__init__.py)
 if TYPE_CHECKING:
@@ -67,7 +68,7 @@ class Gate:
     def _cut(self, sock: Any) -> None:
         del self._pending[sock]
         self.cut += 1
-        with contextlib.suppress(OSError):
+        with suppress(OSError):
             sock.shutdown(socket.SHUT_RDWR)
 
     def _watch(self) -> None:

@@ -10,10 +10,11 @@ kill cannot escape.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import time
+
+from .errors import suppress
 
 TYPE_CHECKING = False  # no typing at run time (see execd/__init__.py)
 if TYPE_CHECKING:
@@ -120,7 +121,7 @@ def cmdline(pid: int) -> str:
 
 def _signal_all(pids: Iterable[int], sig: int) -> None:
     for pid in pids:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
+        with suppress(ProcessLookupError, PermissionError):
             os.kill(pid, sig)
 
 

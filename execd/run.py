@@ -17,7 +17,6 @@ bound is refused at once (429), never queued.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
 import select
@@ -27,6 +26,7 @@ import threading
 import time
 
 from . import bashproto, errors, proc
+from .errors import suppress
 from .output import read_pipe
 from .reaper import Reaper
 from .runspec import RunSpec, User
@@ -168,7 +168,7 @@ class Run:
         if self._popen is not None:
             self._popen.returncode = code  # never polled: the reaper already reaped it
         self.exit_status = code
-        with contextlib.suppress(OSError):
+        with suppress(OSError):
             os.write(self._done_w, b"x")
 
     # ---- driving the run ------------------------------------------------------
@@ -220,7 +220,7 @@ class Run:
             ready = poller.poll(max(0.0, min(waits)) * 1000 + 1)
             for fd, _ in ready:
                 if fd == self._done_r:
-                    with contextlib.suppress(OSError):
+                    with suppress(OSError):
                         os.read(fd, 64)
                 elif fd in names:
                     data = read_pipe(fd)
@@ -251,7 +251,7 @@ class Run:
                 self._kill_on_timeout()
                 continue
             select.select([self._done_r], [], [], min(left, 3600.0))
-            with contextlib.suppress(OSError):
+            with suppress(OSError):
                 os.read(self._done_r, 64)
 
     def _kill_on_timeout(self) -> None:
@@ -280,7 +280,7 @@ class Run:
         if self.pid is None:
             return
         proc.kill_tree(self._members)
-        with contextlib.suppress(OSError):  # without /proc the group still goes
+        with suppress(OSError):  # without /proc the group still goes
             os.killpg(self.pid, signal.SIGKILL)
 
     def close(self) -> None:
@@ -299,10 +299,10 @@ class Run:
         if popen is not None:
             for pipe in (popen.stdin, popen.stdout, popen.stderr):
                 if pipe is not None:
-                    with contextlib.suppress(OSError):
+                    with suppress(OSError):
                         pipe.close()
         for fd in (self._done_r, self._done_w):
-            with contextlib.suppress(OSError):
+            with suppress(OSError):
                 os.close(fd)
 
 
@@ -343,9 +343,9 @@ class _StdinWriter:
     def close(self) -> None:
         if self.fd is None:
             return
-        with contextlib.suppress(KeyError):
+        with suppress(KeyError):
             self.poller.unregister(self.fd)
-        with contextlib.suppress(OSError):
+        with suppress(OSError):
             if self.popen.stdin is not None:
                 self.popen.stdin.close()
         self.fd = None

@@ -25,12 +25,12 @@ variables that name the sandbox itself (``OWN_VARS``: the new sandbox keeps its 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import stat
 
 from . import errors, files, sessionstate, treescan
+from .errors import suppress
 from .server import Close, Request, Response
 from .shell import Shell
 
@@ -290,7 +290,7 @@ class Snapshots:
                 )
             os.rename(tmp, path)
         except BaseException as exc:
-            with contextlib.suppress(OSError):
+            with suppress(OSError):
                 os.unlink(tmp)
             if isinstance(exc, OSError):
                 raise files.os_error(exc, path) from None
