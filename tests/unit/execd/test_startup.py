@@ -31,6 +31,8 @@ HEAVY = {
     "ctypes",  # the subreaper prctl goes through _ctypes, the scrub through /proc
     "base64",  # binascii's two functions instead (files.b64encode/b64decode)
     "struct",
+    "contextlib",  # errors.suppress; and execd is started with -c, so no runpy pulls it in
+    "runpy",
     # The parts made on first use (execd/api.py): runs, the state baseline, snapshots.
     "execd.run",
     "execd.runspec",

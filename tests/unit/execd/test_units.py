@@ -204,3 +204,13 @@ def test_b64decode_refuses_what_validate_true_refuses(bad):
         base64.b64decode(bad, validate=True)
     with pytest.raises(ValueError):
         files.b64decode(bad)
+
+
+def test_suppress_swallows_only_what_it_names():
+    with errors.suppress(OSError):
+        raise FileNotFoundError("a subclass is swallowed")
+    with pytest.raises(KeyError), errors.suppress(OSError, ValueError):
+        raise KeyError("another is not")
+    with errors.suppress(OSError):
+        done = True
+    assert done
