@@ -1,5 +1,8 @@
 """Entry point: ``python3 -m execd --listen HOST:PORT`` (or ``--listen-fd N``).
 
+The local backend starts it as ``python3 -S -c "from execd.__main__ import main; ..."``
+(broker/backends/localpyc.py: ``-m`` costs every sandbox 0.2 MiB of ``runpy``).
+
 Reads the token from the pipe or file descriptor named by SANDMAN_EXECD_TOKEN_FD
 (read to EOF, then closed: nothing in the sandbox can read it again), else the
 file named by SANDMAN_EXECD_TOKEN_FILE, else SANDMAN_EXECD_TOKEN, and removes all
@@ -39,7 +42,7 @@ def scrub_environ(names: Iterable[str]) -> None:
     ``os.environ.pop`` only unlinks the variable: /proc/<pid>/environ keeps
     showing the bytes the kernel placed at exec time, and any command in the
     sandbox could read them there. So the bytes are blanked in place first,
-    through /proc/self/mem (no ``ctypes``: 0.3 MiB in every sandbox), or through
+    through /proc/self/mem (no ``ctypes``: 0.4 MiB in every sandbox), or through
     libc's ``environ`` with ``ctypes`` where /proc cannot do it.
     """
     wanted = {name.encode("latin-1") for name in names}

@@ -7,7 +7,7 @@ refused from its Content-Length alone.
 One-shot runs (``run``, ``runspec``, ``runreply``), the state baseline (``state``) and
 snapshots (``snapshot``; both with ``treescan`` and ``sessionstate``) are imported and
 made on their first call: a sandbox that only execs and edits files never carries
-them (0.5 MiB of code in every sandbox otherwise).
+them (0.3 MiB of code in every sandbox otherwise).
 """
 
 from __future__ import annotations

@@ -44,7 +44,7 @@ def become_subreaper() -> bool:
 
 def libc_call(name: str, *args: int) -> int:
     """Call the C library's ``int name(...)`` with int arguments: 0 if it returned 0,
-    else its errno.
+    else its errno (-1 if it set none).
 
     Through ``_ctypes``, the C half of ``ctypes``: the Python half (``ctypes/__init__``,
     its dozens of classes, ``struct``) would cost every sandbox 0.3 MiB more at start,

@@ -1,7 +1,7 @@
 """``typing.NamedTuple`` at run time without importing ``typing``.
 
-``typing`` (with ``re`` and the rest it pulls in) costs every sandbox about 0.6 MiB of
-resident memory, and execd needed it at run time only for the class form of
+``typing`` (with what it pulls in) costs every sandbox about 0.6 MiB of resident
+memory, and execd needed it at run time only for the class form of
 ``NamedTuple``. Modules declare their records as usual and import this name in the
 ``else`` of ``if TYPE_CHECKING:``, so mypy checks them against typing's own. The class
 built here is a ``collections.namedtuple`` with the annotated fields in order, their
