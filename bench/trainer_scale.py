@@ -1,16 +1,21 @@
 """One trainer process, the async client, N live local sandboxes, M concurrent exec streams.
 
-    flock /work/bench.lock .venv/bin/python bench/trainer_scale.py            # 500 / 200
+    .venv/bin/python bench/trainer_scale.py                                   # 500 / 200
     .venv/bin/python bench/trainer_scale.py --sandboxes 50 --streams 20       # a smoke run
+    .venv/bin/python bench/trainer_scale.py --skip-trainer --baseline-ref REV \
+        --baseline-launch compiled                       # part 1 only: REV's execd vs this
 
 Two parts, in one run:
 
 1. **execd idle memory, old launch vs new** (no broker): ``--mem-n`` daemons of the
-   execd at ``--baseline-ref`` (the last commit before the idle-memory work) started as
-   the local backend used to (``python3 -m execd``), and as many of this tree's execd
-   started as it does now (``python3 -S -m execd`` on a byte-compiled copy),
-   all alive at once within each set: median RSS, PSS and USS (``smaps_rollup``) fresh
-   and after three execs each, and the ratio new/old.
+   execd at ``--baseline-ref`` (by default the last commit before the idle-memory work)
+   started as the local backend used to (``python3 -m execd``; with
+   ``--baseline-launch compiled``, ``python3 -S -m execd`` on a byte-compiled copy), and
+   as many of this tree's execd started as the local backend does now
+   (``localpyc.EXECD_LAUNCH`` on a byte-compiled copy),
+   all alive at once within each set: median RSS, PSS and USS (``smaps_rollup``) fresh,
+   after three execs each, and after one one-shot run more (runs are imported on first
+   use), and the ratio new/old.
 2. **The trainer at scale**: an own stack (embedded PostgreSQL and Redis, the Celery
    workers, pacing relaxed to 1,000 creates/s so the acquire is not what is measured),
    ``--sandboxes`` acquired by one ``AsyncSandboxClient`` (``--acquire-concurrency`` at
@@ -102,6 +107,14 @@ def mem_available_mib() -> float:
     return float("nan")
 
 
+def is_execd(cmd: list[bytes]) -> bool:
+    """Whether a command line (split at NULs) is an execd: ``python3 [-S] -m execd ...``
+    or ``python3 -S -c "from execd.__main__ import ..."`` (not the bwrap around it)."""
+    if cmd[0].endswith(b"bwrap"):
+        return False
+    return (b"-m" in cmd and b"execd" in cmd) or any(b"execd.__main__" in a for a in cmd)
+
+
 def our_execds(mark_root: Path) -> list[int]:
     """The execd of every sandbox marked under ``mark_root`` (this run's state dir: other
     runs' sandboxes on the same machine are not counted), found below its bubblewrap."""
@@ -114,7 +127,7 @@ def our_execds(mark_root: Path) -> list[int]:
                 cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if b"execd" in cmd and b"-m" in cmd and not cmd[0].endswith(b"bwrap"):
+            if is_execd(cmd):
                 found.add(pid)
     return sorted(found)
 
@@ -123,9 +136,9 @@ def our_execds(mark_root: Path) -> list[int]:
 
 
 class Daemon:
-    """One execd on a loopback port, started with ``flags`` from ``pythonpath``."""
+    """One execd on a loopback port, started as ``python3 *launch`` from ``pythonpath``."""
 
-    def __init__(self, pythonpath: Path, flags: list[str], workdir: Path) -> None:
+    def __init__(self, pythonpath: Path, launch: list[str], workdir: Path) -> None:
         self.token = secrets.token_hex(16)
         # A socket bound here and inherited (as the local backend does): a port picked
         # free and bound later by the daemon could be taken by another one meanwhile.
@@ -137,7 +150,7 @@ class Daemon:
         options = ["--workdir", str(workdir), "--log-level", "WARNING"]
         fd = listener.fileno()
         self.proc = subprocess.Popen(
-            [PYTHON, *flags, "-m", "execd", "--listen-fd", str(fd), *options],
+            [PYTHON, *launch, "--listen-fd", str(fd), *options],
             cwd=workdir,
             env=env,
             stdout=subprocess.DEVNULL,
@@ -167,8 +180,8 @@ class Daemon:
         raise SystemExit(f"execd on port {self.port} did not start")
 
 
-def daemon_set(n: int, pythonpath: Path, flags: list[str], workdir: Path) -> dict[str, Any]:
-    daemons = [Daemon(pythonpath, flags, workdir) for _ in range(n)]
+def daemon_set(n: int, pythonpath: Path, launch: list[str], workdir: Path) -> dict[str, Any]:
+    daemons = [Daemon(pythonpath, launch, workdir) for _ in range(n)]
     try:
         deadline = time.monotonic() + 120
         for d in daemons:
@@ -181,15 +194,21 @@ def daemon_set(n: int, pythonpath: Path, flags: list[str], workdir: Path) -> dic
                 assert d.call("POST", "/v1/exec", {"command": f"echo {i}"}) == 200
         time.sleep(0.5)
         used = mem_summary(pids)
+        for d in daemons:
+            assert d.call("POST", "/v1/run", {"argv": ["true"]}) == 200
+        time.sleep(0.5)
+        ran = mem_summary(pids)
     finally:
         for d in daemons:
             d.proc.terminate()
         for d in daemons:
             d.proc.wait(timeout=30)
-    return {"fresh": fresh, "after_execs": used}
+    return {"fresh": fresh, "after_execs": used, "after_run": ran}
 
 
-def memory_part(n: int, ref: str) -> dict[str, Any]:
+def memory_part(n: int, ref: str, launch: str) -> dict[str, Any]:
+    """``launch``: how the baseline starts, "module" (``python3 -m execd`` from source, the
+    local backend before the idle-memory work) or "compiled" (as this tree's)."""
     from broker.backends import localpyc
 
     work = Path(tempfile.mkdtemp(prefix="sandman-trainer-mem-"))
@@ -203,17 +222,31 @@ def memory_part(n: int, ref: str) -> dict[str, Any]:
         copy = localpyc.compiled_copy(work / "pods", [PYTHON], REPO / "execd")
         if copy is None:
             raise SystemExit("could not compile execd's bytecode")
+        if launch == "compiled":
+            # Its own key (its sources differ): compiled once, like this tree's.
+            base_copy = localpyc.compiled_copy(work / "pods", [PYTHON], base / "execd")
+            if base_copy is None:
+                raise SystemExit("could not compile the baseline's bytecode")
+            old = daemon_set(n, base_copy.parent, ["-S", "-m", "execd"], work)
+        else:
+            old = daemon_set(n, base, ["-m", "execd"], work)
         # Run where it lies (the sandbox sees it at /sandman/execd; only tracebacks differ).
-        old = daemon_set(n, base, [], work)
-        new = daemon_set(n, copy.parent, list(localpyc.EXECD_FLAGS), work)
+        new = daemon_set(n, copy.parent, list(localpyc.EXECD_LAUNCH), work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     ratio = {
         f"{k}_{when}": new[when][f"{k}_median_mib"] / old[when][f"{k}_median_mib"]
         for k in ("rss", "pss", "uss")
-        for when in ("fresh", "after_execs")
+        for when in ("fresh", "after_execs", "after_run")
     }
-    return {"baseline_ref": ref, "n": n, "old": old, "new": new, "ratio_new_over_old": ratio}
+    return {
+        "baseline_ref": ref,
+        "baseline_launch": launch,
+        "n": n,
+        "old": old,
+        "new": new,
+        "ratio_new_over_old": ratio,
+    }
 
 
 # -- part 2: the trainer at scale ----------------------------------------------------------
@@ -362,6 +395,13 @@ def main() -> int:
     p.add_argument("--acquire-concurrency", type=int, default=64)
     p.add_argument("--mem-n", type=int, default=50, help="daemons per set in part 1")
     p.add_argument("--baseline-ref", default=BASELINE_REF)
+    p.add_argument(
+        "--baseline-launch",
+        choices=("module", "compiled"),
+        default="module",
+        help="start the baseline as the local backend did before the idle-memory work "
+        "(python3 -m execd from source) or after it (-S -m execd, byte-compiled copy)",
+    )
     p.add_argument("--skip-memory", action="store_true")
     p.add_argument("--skip-trainer", action="store_true")
     p.add_argument("--profile", action="store_true", help="cProfile the exec phase")
@@ -370,7 +410,7 @@ def main() -> int:
 
     doc: dict[str, Any] = {"args": vars(args), "cpus": os.cpu_count()}
     if not args.skip_memory:
-        doc["memory"] = memory_part(args.mem_n, args.baseline_ref)
+        doc["memory"] = memory_part(args.mem_n, args.baseline_ref, args.baseline_launch)
         print(json.dumps(doc["memory"]["ratio_new_over_old"], indent=1), flush=True)
     if not args.skip_trainer:
         # About 25 MiB per sandbox (bwrap, execd, bash, page cache of its root) and margin.

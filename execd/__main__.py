@@ -1,31 +1,36 @@
 """Entry point: ``python3 -m execd --listen HOST:PORT`` (or ``--listen-fd N``).
 
+The local backend starts it as ``python3 -S -c "from execd.__main__ import main; ..."``
+(broker/backends/localpyc.py: ``-m`` costs every sandbox 0.2 MiB of ``runpy``).
+
 Reads the token from the pipe or file descriptor named by SANDMAN_EXECD_TOKEN_FD
 (read to EOF, then closed: nothing in the sandbox can read it again), else the
 file named by SANDMAN_EXECD_TOKEN_FILE, else SANDMAN_EXECD_TOKEN, and removes all
 three from the environment before bash is started, so no command can see it.
 """
 
-import contextlib
+from __future__ import annotations
+
 import os
 import signal
 import sys
 import threading
-from typing import Any, Iterable, List, Optional
 
 from . import __version__, logs
 from . import rundir as rundir_mod
 from .api import App
 from .cli import parse_args
 from .cpus import pin_visible_cpus
+from .errors import suppress
 from .reaper import Reaper, become_subreaper
-from .run import Runner
 from .server import Server
 from .session import Launch
 from .sessions import Sessions
 from .shell import Shell
-from .snapshot import Snapshots
-from .state import StateKeeper
+
+TYPE_CHECKING = False  # no typing at run time (see execd/__init__.py)
+if TYPE_CHECKING:
+    from typing import Any, Iterable, List, Optional, Set
 
 log = logs.getLogger("execd")
 TOKEN_VARS = ("SANDMAN_EXECD_TOKEN", "SANDMAN_EXECD_TOKEN_FILE", "SANDMAN_EXECD_TOKEN_FD")
@@ -36,23 +41,56 @@ def scrub_environ(names: Iterable[str]) -> None:
 
     ``os.environ.pop`` only unlinks the variable: /proc/<pid>/environ keeps
     showing the bytes the kernel placed at exec time, and any command in the
-    sandbox could read them there. So the bytes are blanked in place first.
+    sandbox could read them there. So the bytes are blanked in place first,
+    through /proc/self/mem (no ``ctypes``: 0.4 MiB in every sandbox), or through
+    libc's ``environ`` with ``ctypes`` where /proc cannot do it.
     """
+    wanted = {name.encode("latin-1") for name in names}
     try:
-        import ctypes
-
-        libc = ctypes.CDLL(None)
-        env = ctypes.POINTER(ctypes.c_void_p).in_dll(libc, "environ")
-        i = 0
-        while env[i]:
-            entry = ctypes.string_at(env[i])
-            name = entry.split(b"=", 1)[0]
-            if name.decode("latin-1") in names:
-                start = len(name) + 1
-                ctypes.memset(env[i] + start, ord("x"), len(entry) - start)
-            i += 1
+        _scrub_via_proc(wanted)
+        return
+    except (OSError, ValueError, IndexError) as exc:
+        log.debug("environment block not scrubbed through /proc: %s", exc)
+    try:
+        _scrub_via_libc(wanted)
     except (OSError, AttributeError, ValueError) as exc:
         log.warning("could not scrub the environment block: %s", exc)
+
+
+def _scrub_via_proc(wanted: Set[bytes]) -> None:
+    """The block lies at env_start..env_end (fields 50 and 51 of /proc/self/stat):
+    exactly the bytes /proc/<pid>/environ shows to others."""
+    with open("/proc/self/stat", "rb") as f:
+        stat = f.read()
+    fields = stat[stat.rindex(b")") + 2 :].split()  # from field 3 on: comm may hold spaces
+    start, end = int(fields[50 - 3]), int(fields[51 - 3])
+    if not 0 < start < end:
+        raise ValueError("no environment block in /proc/self/stat")
+    with open("/proc/self/mem", "r+b", buffering=0) as mem:
+        mem.seek(start)
+        block = mem.read(end - start)
+        at = start
+        for entry in block.split(b"\0"):
+            name, eq, value = entry.partition(b"=")
+            if eq and value and name in wanted:
+                mem.seek(at + len(name) + 1)
+                mem.write(b"x" * len(value))
+            at += len(entry) + 1
+
+
+def _scrub_via_libc(wanted: Set[bytes]) -> None:
+    import ctypes
+
+    libc = ctypes.CDLL(None)
+    env = ctypes.POINTER(ctypes.c_void_p).in_dll(libc, "environ")
+    i = 0
+    while env[i]:
+        entry = ctypes.string_at(env[i])
+        name = entry.split(b"=", 1)[0]
+        if name in wanted:
+            start = len(name) + 1
+            ctypes.memset(env[i] + start, ord("x"), len(entry) - start)
+        i += 1
 
 
 def _read_fd(raw: str) -> str:
@@ -76,7 +114,7 @@ def _read_fd(raw: str) -> str:
     except (OSError, UnicodeDecodeError) as exc:
         raise SystemExit("execd: cannot read SANDMAN_EXECD_TOKEN_FD: %s" % exc) from None
     finally:
-        with contextlib.suppress(OSError):
+        with suppress(OSError):
             os.close(fd)
 
 
@@ -131,7 +169,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     token = read_token(args.insecure_no_auth)
     if args.listen_fd is not None:
         # Before bash or any run starts: no command in the sandbox may inherit it.
-        with contextlib.suppress(OSError):
+        with suppress(OSError):
             os.set_inheritable(args.listen_fd, False)
     if not token:
         log.warning("serving WITHOUT authentication (--insecure-no-auth)")
@@ -140,7 +178,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         raise SystemExit("execd: bash not found")
     workdir = os.path.abspath(args.workdir or os.getcwd())
     if args.make_workdir:
-        with contextlib.suppress(OSError):  # not ours to create: refused just below
+        with suppress(OSError):  # not ours to create: refused just below
             os.makedirs(workdir, exist_ok=True)
     if not os.path.isdir(workdir):
         raise SystemExit("execd: --workdir %s is not a directory" % workdir)
@@ -153,20 +191,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     launch = Launch(bash, workdir, dict(os.environ), reaper)
     shell = Shell(launch, rundir)
     shell.start()
-    state = StateKeeper(shell, workdir, rundir)
     sessions = Sessions(shell, launch, rundir, args.max_sessions)
-    runner = Runner(reaper, launch.env, args.max_runs)
-    snapshots = Snapshots(shell, workdir, rundir, umask)
     app = App(
         token,
         shell=shell,
-        state=state,
+        rundir=rundir,
         max_body=args.max_body_bytes,
         umask=umask,
         sessions=sessions,
-        runner=runner,
+        max_runs=args.max_runs,
         keepalive_s=args.stream_keepalive,
-        snapshots=snapshots,
     )
     server = Server(
         args.listen,

@@ -15,11 +15,16 @@ then on every call is refused with 410 ``reclaimed``) or not, with how long it h
 idle, so the broker can push its deadline to exactly ``last activity + timeout``.
 """
 
+from __future__ import annotations
+
 import threading
 import time
-from typing import Any, Callable, Dict, Iterable, Iterator, Optional
 
 from . import errors
+
+TYPE_CHECKING = False  # no typing at run time (see execd/__init__.py)
+if TYPE_CHECKING:
+    from typing import Any, Callable, Dict, Iterable, Iterator, Optional
 
 # Reads that only observe: they never keep a sandbox alive.
 STATUS_PATHS = frozenset({"/healthz", "/v1/info", "/v1/heartbeat", "/v1/reclaim"})

@@ -3,35 +3,48 @@
 The order matters: an unauthenticated caller learns nothing (not even which
 routes exist) and never gets a byte of its body read; a body over the limit is
 refused from its Content-Length alone.
+
+One-shot runs (``run``, ``runspec``, ``runreply``), the state baseline (``state``) and
+snapshots (``snapshot``; both with ``treescan`` and ``sessionstate``) are imported and
+made on their first call: a sandbox that only execs and edits files never carries
+them (0.3 MiB of code in every sandbox otherwise).
 """
 
+from __future__ import annotations
+
 import os
+import threading
 import time
 
 # The C function ``hmac.compare_digest`` falls back to; importing it from ``hmac`` would
 # pull in hashlib and OpenSSL's libcrypto (3 MiB of resident memory in every sandbox).
 from _operator import _compare_digest as compare_digest
-from typing import Callable, Dict, Tuple, Union
 
-from . import __version__, errors, files, runreply, runspec, validate
+from . import __version__, errors, files, validate
 from .activity import Activity
 from .output import DEFAULT_MAX_OUTPUT
-from .run import Run, Runner
-from .runspec import MAX_TIMEOUT_S
-from .server import BodyReader, Request, Response
+from .server import Request, Response
 from .sessions import Sessions
 from .shell import Shell
-from .snapshot import Snapshots
-from .state import StateKeeper
-from .validate import Doc
+from .validate import MAX_TIMEOUT_S
+
+TYPE_CHECKING = False  # no typing at run time (see execd/__init__.py)
+if TYPE_CHECKING:
+    from typing import Callable, Dict, Optional, Tuple, Union
+
+    from .run import Run, Runner
+    from .server import BodyReader
+    from .snapshot import Snapshots
+    from .state import StateKeeper
+    from .validate import Doc
+
+    Handler = Callable[[Doc], Union[Doc, Response]]
 
 WRITE = "/v1/files/write"
 RUN, RUN_STREAM = "/v1/run", "/v1/run/stream"
 SNAPSHOT_PUT = "/v1/snapshot/put"  # a raw, streamed body: never read whole into memory
 # The one big string field each route may carry, parsed without a copy (split_big_string).
 BIG_FIELDS = {WRITE: "content_b64", RUN: "stdin_b64", RUN_STREAM: "stdin_b64"}
-
-Handler = Callable[[Doc], Union[Doc, Response]]
 
 
 class App:
@@ -45,23 +58,25 @@ class App:
         token: bytes,
         *,
         shell: Shell,
-        state: StateKeeper,
+        rundir: str,
         max_body: int,
         umask: int,
         sessions: Sessions,
-        runner: Runner,
+        max_runs: int,
         keepalive_s: float,
-        snapshots: Snapshots,
     ) -> None:
         self.token = token
         self.shell = shell
-        self.state = state
+        self.rundir = rundir
         self.max_body = max_body
         self.umask = umask
         self.sessions = sessions
-        self.runner = runner
+        self.max_runs = max_runs
         self.keepalive_s = keepalive_s
-        self.snapshots = snapshots
+        self._parts = threading.Lock()  # makes each part below once
+        self._runner: Optional[Runner] = None
+        self._state: Optional[StateKeeper] = None
+        self._snapshots: Optional[Snapshots] = None
         self.started = time.time()
         self.activity = Activity()
         self.routes: Dict[str, Tuple[str, Handler]] = {
@@ -82,12 +97,52 @@ class App:
             "/v1/baseline": ("POST", self.baseline),
             "/v1/state-check": ("POST", self.state_check),
             "/v1/restore": ("POST", self.restore),
-            "/v1/snapshot/capture": ("POST", self.snapshots.capture),
-            "/v1/snapshot/blob": ("POST", self.snapshots.blob),
-            "/v1/snapshot/prepare": ("POST", self.snapshots.prepare),
-            "/v1/snapshot/copy": ("POST", self.snapshots.copy),
-            "/v1/snapshot/finish": ("POST", self.snapshots.finish),
+            "/v1/snapshot/capture": ("POST", self._on_snapshots("capture")),
+            "/v1/snapshot/blob": ("POST", self._on_snapshots("blob")),
+            "/v1/snapshot/prepare": ("POST", self._on_snapshots("prepare")),
+            "/v1/snapshot/copy": ("POST", self._on_snapshots("copy")),
+            "/v1/snapshot/finish": ("POST", self._on_snapshots("finish")),
         }
+
+    # ---- the parts made on first use (see the module's docstring) ------------------
+
+    def _on_snapshots(self, name: str) -> Handler:
+        """The handler ``Snapshots.<name>``, of the snapshots made on the first call."""
+
+        def handler(doc: Doc) -> Union[Doc, Response]:
+            result: Union[Doc, Response] = getattr(self.snapshots, name)(doc)
+            return result
+
+        return handler
+
+    @property
+    def runner(self) -> Runner:
+        with self._parts:
+            if self._runner is None:
+                from .run import Runner
+
+                launch = self.shell.launch
+                self._runner = Runner(launch.reaper, launch.env, self.max_runs)
+            return self._runner
+
+    @property
+    def state(self) -> StateKeeper:
+        with self._parts:
+            if self._state is None:
+                from .state import StateKeeper
+
+                self._state = StateKeeper(self.shell, self.shell.launch.workdir, self.rundir)
+            return self._state
+
+    @property
+    def snapshots(self) -> Snapshots:
+        with self._parts:
+            if self._snapshots is None:
+                from .snapshot import Snapshots
+
+                workdir = self.shell.launch.workdir
+                self._snapshots = Snapshots(self.shell, workdir, self.rundir, self.umask)
+            return self._snapshots
 
     def __call__(self, req: Request, read_body: BodyReader) -> Response:
         if req.path == "/healthz" and req.method == "GET":
@@ -155,8 +210,9 @@ class App:
         out.update(self.shell.info())
         out["orphans_reaped"] = self.shell.launch.reaper.orphans_reaped
         out["sessions"] = self.sessions.names()
-        out["runs_active"] = self.runner.active
-        out["runs_started"] = self.runner.started
+        runner = self._runner  # not made for this: no run yet means none active or started
+        out["runs_active"] = runner.active if runner else 0
+        out["runs_started"] = runner.started if runner else 0
         return out
 
     def heartbeat(self, _doc: Doc) -> Doc:
@@ -178,14 +234,20 @@ class App:
         return self.sessions.get(session).run(command, timeout, cap)
 
     def _start_run(self, doc: Doc) -> Run:
+        from . import runspec
+
         launch = self.shell.launch
         return self.runner.start(runspec.parse(doc, launch.workdir, launch.bash))
 
     def run(self, doc: Doc) -> Doc:
+        from . import runreply
+
         return runreply.collect(self._start_run(doc))
 
     def run_stream(self, doc: Doc) -> Response:
         """Refusals come as statuses; once the run started, as an error frame (runreply)."""
+        from . import runreply
+
         return Response(
             200, chunks=runreply.frames(self._start_run(doc), self.keepalive_s), length=None
         )

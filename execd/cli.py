@@ -6,11 +6,19 @@ rely on is kept: ``--name value`` and ``--name=value``, typed values, ``--help``
 ``--version``, and a usage error on stderr with exit status 2 for anything else.
 """
 
+from __future__ import annotations
+
 import sys
 import types
-from typing import Any, Callable, List, NoReturn, Optional, Sequence, Tuple
 
 from . import __version__
+
+TYPE_CHECKING = False  # no typing at run time (see execd/__init__.py)
+if TYPE_CHECKING:
+    from typing import Any, Callable, List, NoReturn, Optional, Sequence, Tuple
+
+    # (flag, type (None: a switch), default, help)
+    Option = Tuple[str, Optional[Callable[[str], Any]], Any, str]
 
 PROG = "python3 -m execd"
 SUMMARY = "Entry point: python3 -m execd --listen HOST:PORT (or --listen-fd N)."
@@ -35,8 +43,6 @@ def _level(value: str) -> str:
     return value
 
 
-# (flag, type (None: a switch), default, help)
-Option = Tuple[str, Optional[Callable[[str], Any]], Any, str]
 OPTIONS: Sequence[Option] = (
     (
         "--listen",

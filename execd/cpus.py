@@ -9,10 +9,15 @@ every one-shot run then sees exactly N CPUs in ``os.sched_getaffinity`` (and in
 affinity alone and logs it: the grader's probe reports the contradiction.
 """
 
+from __future__ import annotations
+
 import os
-from typing import List, Mapping, Optional
 
 from . import logs
+
+TYPE_CHECKING = False  # no typing at run time (see execd/__init__.py)
+if TYPE_CHECKING:
+    from typing import List, Mapping, Optional
 
 ENV = "SANDMAN_EXECD_VISIBLE_CPUS"
 

@@ -16,11 +16,17 @@ take. One watchdog thread enforces every deadline by shutting the socket
 down, which wakes the handler thread blocked in ``recv`` with an EOF.
 """
 
-import contextlib
+from __future__ import annotations
+
 import socket
 import threading
 import time
-from typing import Any, Dict
+
+from .errors import suppress
+
+TYPE_CHECKING = False  # no typing at run time (see execd/__init__.py)
+if TYPE_CHECKING:
+    from typing import Any, Dict
 
 
 class Gate:
@@ -62,7 +68,7 @@ class Gate:
     def _cut(self, sock: Any) -> None:
         del self._pending[sock]
         self.cut += 1
-        with contextlib.suppress(OSError):
+        with suppress(OSError):
             sock.shutdown(socket.SHUT_RDWR)
 
     def _watch(self) -> None:

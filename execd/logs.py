@@ -7,10 +7,15 @@ and friends, ``exception`` with the traceback) and the same line format as the
 ``logging.basicConfig`` it replaces: ``<asctime> <LEVEL> <name>: <message>``.
 """
 
+from __future__ import annotations
+
 import sys
 import threading
 import time
-from typing import Any, Dict, Optional, TextIO
+
+TYPE_CHECKING = False  # no typing at run time (see execd/__init__.py)
+if TYPE_CHECKING:
+    from typing import Any, Dict, Optional, TextIO
 
 LEVELS = {"DEBUG": 10, "INFO": 20, "WARNING": 30, "ERROR": 40}
 _NAMES = {v: k for k, v in LEVELS.items()}

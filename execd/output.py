@@ -7,8 +7,13 @@ the rest flows through a tail buffer trimmed to the last ``cap - cap // 2``
 bytes, and the true byte count is kept alongside. Memory stays under ~2 * cap.
 """
 
+from __future__ import annotations
+
 import os
-from typing import Optional
+
+TYPE_CHECKING = False  # no typing at run time (see execd/__init__.py)
+if TYPE_CHECKING:
+    from typing import Optional
 
 DEFAULT_MAX_OUTPUT = 1024 * 1024
 

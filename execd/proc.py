@@ -8,11 +8,19 @@ Processes are stopped first and killed after a rescan, so a fork racing the
 kill cannot escape.
 """
 
-import contextlib
+from __future__ import annotations
+
 import os
 import signal
 import time
-from typing import Callable, Dict, Iterable, List, NamedTuple, Optional, Set
+
+from .errors import suppress
+
+TYPE_CHECKING = False  # no typing at run time (see execd/__init__.py)
+if TYPE_CHECKING:
+    from typing import Callable, Dict, Iterable, List, NamedTuple, Optional, Set
+else:
+    from .records import NamedTuple
 
 
 class ProcInfo(NamedTuple):
@@ -23,8 +31,9 @@ class ProcInfo(NamedTuple):
     start: int  # clock ticks since boot: (pid, start) names a process uniquely
 
 
-# pid -> its /proc/<pid>/stat, one snapshot of the process table
-Table = Dict[int, ProcInfo]
+if TYPE_CHECKING:
+    # pid -> its /proc/<pid>/stat, one snapshot of the process table
+    Table = Dict[int, ProcInfo]
 
 
 def read_stat(pid: int) -> Optional[ProcInfo]:
@@ -112,7 +121,7 @@ def cmdline(pid: int) -> str:
 
 def _signal_all(pids: Iterable[int], sig: int) -> None:
     for pid in pids:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
+        with suppress(ProcessLookupError, PermissionError):
             os.kill(pid, sig)
 
 

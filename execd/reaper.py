@@ -10,12 +10,17 @@ Spawning and registering happen under the same lock the loop takes before
 classifying a pid, so a child that exits instantly is still recognised.
 """
 
-import ctypes
+from __future__ import annotations
+
 import os
 import threading
-from typing import Any, Callable, Dict, List, Mapping
+import types
 
 from . import logs
+
+TYPE_CHECKING = False  # no typing at run time (see execd/__init__.py)
+if TYPE_CHECKING:
+    from typing import Any, Callable, Dict, List, Mapping
 
 log = logs.getLogger("execd.reaper")
 
@@ -27,14 +32,41 @@ def become_subreaper() -> bool:
     if os.getpid() == 1:
         return True
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
-            log.warning("prctl(PR_SET_CHILD_SUBREAPER) failed: errno %d", ctypes.get_errno())
-            return False
-    except (OSError, AttributeError) as exc:
+        errno = libc_call("prctl", PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    except (ImportError, OSError, AttributeError) as exc:
         log.warning("cannot become a child subreaper: %s", exc)
         return False
+    if errno:
+        log.warning("prctl(PR_SET_CHILD_SUBREAPER) failed: errno %d", errno)
+        return False
     return True
+
+
+def libc_call(name: str, *args: int) -> int:
+    """Call the C library's ``int name(...)`` with int arguments: 0 if it returned 0,
+    else its errno (-1 if it set none).
+
+    Through ``_ctypes``, the C half of ``ctypes``: the Python half (``ctypes/__init__``,
+    its dozens of classes, ``struct``) would cost every sandbox 0.3 MiB more at start,
+    for this one call. These few lines are what ``ctypes.CDLL(None, use_errno=True)``
+    and its ``c_int`` result type amount to.
+    """
+    import _ctypes
+
+    # (typeshed describes these as ctypes' own classes use them: hence the ignores)
+    class CInt(_ctypes._SimpleCData):  # type: ignore[type-arg]
+        _type_ = "i"
+
+    class Function(_ctypes.CFuncPtr):
+        _flags_ = _ctypes.FUNCFLAG_CDECL | _ctypes.FUNCFLAG_USE_ERRNO
+        _restype_ = CInt
+
+    handle = _ctypes.dlopen(None, _ctypes.RTLD_LOCAL)  # type: ignore[arg-type]
+    libc = types.SimpleNamespace(_handle=handle)
+    function = Function((name, libc))  # type: ignore[arg-type]  # CDLL(None)[name]
+    if function(*args) == 0:
+        return 0
+    return _ctypes.get_errno() or -1
 
 
 def exit_code(status: int) -> int:

@@ -15,7 +15,8 @@ forwards the same events. Runs are bounded by ``Runner``'s slots: one over the
 bound is refused at once (429), never queued.
 """
 
-import contextlib
+from __future__ import annotations
+
 import errno
 import os
 import select
@@ -23,14 +24,18 @@ import signal
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Dict, Iterator, Optional, Set, Tuple
 
 from . import bashproto, errors, proc
+from .errors import suppress
 from .output import read_pipe
 from .reaper import Reaper
 from .runspec import RunSpec, User
 
+TYPE_CHECKING = False  # no typing at run time (see execd/__init__.py)
 if TYPE_CHECKING:  # imported on the first run: a sandbox that never runs one saves 0.4 MiB
+    from typing import Any, Dict, Iterator, Optional, Set, Tuple
+
+    Event = Tuple[str, bytes]
     import subprocess
 
 POST_EXIT_GRACE_S = 0.5  # output still coming from pipes that background children hold
@@ -39,7 +44,6 @@ STDIN_PIECE = 65536
 KILL_WAIT_S = 10.0
 
 # (stream, bytes): "stdout"/"stderr" with data, or "keepalive" with b"".
-Event = Tuple[str, bytes]
 
 
 class Runner:
@@ -164,7 +168,7 @@ class Run:
         if self._popen is not None:
             self._popen.returncode = code  # never polled: the reaper already reaped it
         self.exit_status = code
-        with contextlib.suppress(OSError):
+        with suppress(OSError):
             os.write(self._done_w, b"x")
 
     # ---- driving the run ------------------------------------------------------
@@ -216,7 +220,7 @@ class Run:
             ready = poller.poll(max(0.0, min(waits)) * 1000 + 1)
             for fd, _ in ready:
                 if fd == self._done_r:
-                    with contextlib.suppress(OSError):
+                    with suppress(OSError):
                         os.read(fd, 64)
                 elif fd in names:
                     data = read_pipe(fd)
@@ -247,7 +251,7 @@ class Run:
                 self._kill_on_timeout()
                 continue
             select.select([self._done_r], [], [], min(left, 3600.0))
-            with contextlib.suppress(OSError):
+            with suppress(OSError):
                 os.read(self._done_r, 64)
 
     def _kill_on_timeout(self) -> None:
@@ -276,7 +280,7 @@ class Run:
         if self.pid is None:
             return
         proc.kill_tree(self._members)
-        with contextlib.suppress(OSError):  # without /proc the group still goes
+        with suppress(OSError):  # without /proc the group still goes
             os.killpg(self.pid, signal.SIGKILL)
 
     def close(self) -> None:
@@ -295,10 +299,10 @@ class Run:
         if popen is not None:
             for pipe in (popen.stdin, popen.stdout, popen.stderr):
                 if pipe is not None:
-                    with contextlib.suppress(OSError):
+                    with suppress(OSError):
                         pipe.close()
         for fd in (self._done_r, self._done_w):
-            with contextlib.suppress(OSError):
+            with suppress(OSError):
                 os.close(fd)
 
 
@@ -339,9 +343,9 @@ class _StdinWriter:
     def close(self) -> None:
         if self.fd is None:
             return
-        with contextlib.suppress(KeyError):
+        with suppress(KeyError):
             self.poller.unregister(self.fd)
-        with contextlib.suppress(OSError):
+        with suppress(OSError):
             if self.popen.stdin is not None:
                 self.popen.stdin.close()
         self.fd = None

@@ -7,10 +7,15 @@ and a starting daemon removes the directories of owners that are gone. Owners
 in another pid namespace are never judged: their processes are invisible here.
 """
 
+from __future__ import annotations
+
 import os
-from typing import Optional
 
 from . import proc
+
+TYPE_CHECKING = False  # no typing at run time (see execd/__init__.py)
+if TYPE_CHECKING:
+    from typing import Optional
 
 OWNER = "owner"
 

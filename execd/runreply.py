@@ -6,14 +6,19 @@ Both consume the same ``Run.events``. The document caps each stream like
 what was sent cannot be taken back.
 """
 
-import base64
-import json
-from typing import Dict, Iterator
+from __future__ import annotations
 
-from . import errors
+import json
+
+from . import errors, files
 from .output import BoundedCapture
 from .run import Run
-from .validate import Doc
+
+TYPE_CHECKING = False  # no typing at run time (see execd/__init__.py)
+if TYPE_CHECKING:
+    from typing import Dict, Iterator
+
+    from .validate import Doc
 
 STREAMS = ("stdout", "stderr")
 
@@ -40,8 +45,8 @@ def collect(run: Run) -> Doc:
     doc["stdout"] = out.text()
     doc["stderr"] = err.text()
     if run.spec.binary:
-        doc["stdout_b64"] = base64.b64encode(out.raw()).decode("ascii")
-        doc["stderr_b64"] = base64.b64encode(err.raw()).decode("ascii")
+        doc["stdout_b64"] = files.b64encode(out.raw()).decode("ascii")
+        doc["stderr_b64"] = files.b64encode(err.raw()).decode("ascii")
     return doc
 
 
@@ -61,7 +66,7 @@ def frames(run: Run, keepalive: float) -> Iterator[bytes]:
             room = max(0, cap - totals[name])
             totals[name] += len(data)
             if room:
-                b64 = base64.b64encode(data[:room]).decode("ascii")
+                b64 = files.b64encode(data[:room]).decode("ascii")
                 yield _line({"type": name, "b64": b64})
         doc = _result(run, totals, any(t > cap for t in totals.values()))
         doc.update(type="result", stdout="", stderr="")

@@ -8,16 +8,24 @@ before every bash (``BASH_ENV``, ``ENV``), re-split words (``IFS``), or belong
 to execd itself (``SANDMAN_*``, its call marker among them).
 """
 
+from __future__ import annotations
+
 import os
 import pwd
 import re
-from typing import Dict, List, NamedTuple, Optional
 
 from . import errors, files, validate
 from .output import DEFAULT_MAX_OUTPUT
-from .validate import Doc
+from .validate import MAX_TIMEOUT_S
 
-MAX_TIMEOUT_S = 7 * 24 * 3600.0
+TYPE_CHECKING = False  # no typing at run time (see execd/__init__.py)
+if TYPE_CHECKING:
+    from typing import Dict, List, NamedTuple, Optional
+
+    from .validate import Doc
+else:
+    from .records import NamedTuple
+
 MAX_ARGS = 65536
 # The same names as broker.wire.validation (execd imports nothing from the project);
 # tests/unit/execd/test_units.py keeps the two equal.

@@ -16,15 +16,20 @@ head carries the token takes one of the server's slots and may stay open
 slow-loris a head, and the trainer is always read.
 """
 
+from __future__ import annotations
+
 import json
 import socket
 import socketserver
 import threading
 import time
-from typing import Any, Callable, Dict, Iterable, Optional, Tuple
 
 from . import errors, logs
 from .gate import Gate
+
+TYPE_CHECKING = False  # no typing at run time (see execd/__init__.py)
+if TYPE_CHECKING:
+    from typing import Any, Callable, Dict, Iterable, Optional, Tuple
 
 log = logs.getLogger("execd.http")
 
@@ -82,11 +87,12 @@ class Response:
         self.length = length
 
 
-# How the app reads a request's body once it has accepted the route: (request, limit).
-BodyReader = Callable[[Request, int], bytes]
-Application = Callable[[Request, BodyReader], Response]
-# Whether a request's head carries the token (decided from the headers alone).
-Authorizer = Callable[[Request], bool]
+if TYPE_CHECKING:
+    # How the app reads a request's body once it has accepted the route: (request, limit).
+    BodyReader = Callable[[Request, int], bytes]
+    Application = Callable[[Request, BodyReader], Response]
+    # Whether a request's head carries the token (decided from the headers alone).
+    Authorizer = Callable[[Request], bool]
 
 
 def error_response(exc: errors.ExecdError) -> Response:

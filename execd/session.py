@@ -9,18 +9,25 @@ attributed to that call, as in a terminal). On timeout the call's processes are
 killed and bash is unwound out of the command (see bashproto).
 """
 
-import contextlib
+from __future__ import annotations
+
 import fcntl
 import os
 import select
 import signal
 import threading
 import time
-from typing import Dict, List, NamedTuple, Optional, Set, Tuple
 
 from . import bashproto, logs, proc
+from .errors import suppress
 from .output import BoundedCapture, read_pipe
 from .reaper import Reaper
+
+TYPE_CHECKING = False  # no typing at run time (see execd/__init__.py)
+if TYPE_CHECKING:
+    from typing import Dict, List, NamedTuple, Optional, Set, Tuple
+else:
+    from .records import NamedTuple
 
 log = logs.getLogger("execd.session")
 
@@ -74,7 +81,7 @@ class Session:
         self._ctl_r, ctl_w = os.pipe()
         self._wake_r, self._wake_w = os.pipe()
         for fd in (self._out_r, self._err_r):
-            with contextlib.suppress(OSError):
+            with suppress(OSError):
                 fcntl.fcntl(fd, F_SETPIPE_SZ, 1 << 20)
         for fd in (self._out_r, self._err_r, self._ctl_r, self._wake_r):
             os.set_blocking(fd, False)
@@ -191,7 +198,7 @@ class Session:
         deadline = time.monotonic() + ABORT_GRACE_S
         pause = 0.02
         while not call.done.is_set():
-            with contextlib.suppress(ProcessLookupError):
+            with suppress(ProcessLookupError):
                 os.kill(self.pid, signal.SIGUSR1)
             proc.kill_tree(lambda table: self._call_procs(table, before, call.id))
             if self._read_until(call, time.monotonic() + pause):
@@ -230,7 +237,7 @@ class Session:
         if self.dead:
             return 0
         count = proc.kill_tree(lambda t: proc.descendants(t, [self.pid]) | {self.pid} & set(t))
-        with contextlib.suppress(OSError):  # also works without /proc: bash leads its group
+        with suppress(OSError):  # also works without /proc: bash leads its group
             os.killpg(self.pid, signal.SIGKILL)
         return count
 
@@ -254,7 +261,7 @@ class Session:
         if self._script_fd is not None:
             fds.append(self._script_fd)
         for fd in fds:
-            with contextlib.suppress(OSError):
+            with suppress(OSError):
                 os.close(fd)
 
     # ---- reading the pipes ---------------------------------------------------
@@ -271,7 +278,7 @@ class Session:
         self.exit_status = code
         self.dead = True
         for fd in (self._wake_w, self._done_w):
-            with contextlib.suppress(OSError):
+            with suppress(OSError):
                 os.write(fd, b"x")
 
     def _pump(self) -> None:
@@ -311,7 +318,7 @@ class Session:
         self._resume.clear()
         self._paused = True
         if self._pump_polling:  # only a pump blocked in poll() needs waking
-            with contextlib.suppress(OSError):
+            with suppress(OSError):
                 os.write(self._wake_w, b"p")
 
     def _resume_pump(self) -> None:
@@ -340,7 +347,7 @@ class Session:
     def _handle(self, poller: "select.poll", events: List[Tuple[int, int]]) -> None:
         with self._mu:
             for fd in self._eof:
-                with contextlib.suppress(KeyError):
+                with suppress(KeyError):
                     poller.unregister(fd)
             ready = {fd for fd, _ in events}
             for fd in (self._out_r, self._err_r):
@@ -357,7 +364,7 @@ class Session:
                         self._complete(line)
             for fd in (self._wake_r, self._done_r):
                 if fd in ready:
-                    with contextlib.suppress(OSError):
+                    with suppress(OSError):
                         os.read(fd, 4096)
             call = self._call
             if self.dead and call is not None and not call.done.is_set():
@@ -369,7 +376,7 @@ class Session:
 
     def _finish(self, call: Call) -> None:
         call.done.set()
-        with contextlib.suppress(OSError):
+        with suppress(OSError):
             os.write(self._done_w, b"d")
 
     def _complete(self, line: bytes) -> None:

@@ -6,14 +6,20 @@ and one-shot runs never wait for each other. Their number is bounded: one more
 is refused at once (429). The registry's lock guards only the name table.
 """
 
+from __future__ import annotations
+
 import re
 import threading
-from typing import Dict, List, Optional
 
 from . import errors
 from .session import Launch
 from .shell import Shell
-from .validate import Doc
+
+TYPE_CHECKING = False  # no typing at run time (see execd/__init__.py)
+if TYPE_CHECKING:
+    from typing import Dict, List, Optional
+
+    from .validate import Doc
 
 DEFAULT = "default"
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}\Z")

@@ -6,13 +6,20 @@ a fresh bash (pristine shape) followed by a ``cd`` and the exported variables
 of the baseline, so a baseline taken after setup commands is restored too.
 """
 
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+from __future__ import annotations
 
 from . import bashproto
 from .files import sha256
 
+TYPE_CHECKING = False  # no typing at run time (see execd/__init__.py)
 if TYPE_CHECKING:  # shell imports the session, which must not import it back at run time
+    from typing import Any, Dict, List, Optional, Tuple
+
     from .shell import Shell
+
+    _Doc = Dict[str, Any]
+else:
+    _Doc = dict  # Dict[str, Any] without typing (a subscripted dict needs Python 3.9)
 
 SEP = "\x1e"  # ASCII record separator: never in pwd, declare output is quoted
 CAPTURE = (
@@ -22,7 +29,7 @@ CAPTURE = (
 IGNORED = {bashproto.CALL_VAR, "_"}
 
 
-class SessionState(Dict[str, Any]):
+class SessionState(_Doc):
     """{"cwd": str, "env": {name: value}, "shape": digest}"""
 
 

@@ -7,14 +7,20 @@ the call that killed it still returns the status, and the next call starts a
 fresh session in the starting directory and reports ``session_restarted: true``.
 """
 
+from __future__ import annotations
+
 import os
 import threading
 import time
-from typing import Optional, Tuple
 
 from . import bashproto, errors, logs, proc
 from .session import Call, Launch, Session, SessionError
-from .validate import Doc
+
+TYPE_CHECKING = False  # no typing at run time (see execd/__init__.py)
+if TYPE_CHECKING:
+    from typing import Optional, Tuple
+
+    from .validate import Doc
 
 log = logs.getLogger("execd.shell")
 

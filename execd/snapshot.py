@@ -23,16 +23,22 @@ Owners, times and special files (FIFOs, sockets, devices) are not restored, nor 
 variables that name the sandbox itself (``OWN_VARS``: the new sandbox keeps its own).
 """
 
-import contextlib
+from __future__ import annotations
+
 import json
 import os
 import stat
-from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
 
 from . import errors, files, sessionstate, treescan
+from .errors import suppress
 from .server import Close, Request, Response
 from .shell import Shell
-from .validate import Doc
+
+TYPE_CHECKING = False  # no typing at run time (see execd/__init__.py)
+if TYPE_CHECKING:
+    from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
+
+    from .validate import Doc
 
 PIECE = 1 << 20
 MAX_REPORT = 50
@@ -284,7 +290,7 @@ class Snapshots:
                 )
             os.rename(tmp, path)
         except BaseException as exc:
-            with contextlib.suppress(OSError):
+            with suppress(OSError):
                 os.unlink(tmp)
             if isinstance(exc, OSError):
                 raise files.os_error(exc, path) from None

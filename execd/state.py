@@ -21,14 +21,22 @@ not restorable (the broker must delete the sandbox)
 ``clean`` is true only when no difference at all remains.
 """
 
+from __future__ import annotations
+
 import os
 import threading
 import time
-from typing import Dict, List, NamedTuple, Optional, Set, Tuple
 
 from . import errors, proc, sessionstate, treescan, validate
 from .shell import Shell
-from .validate import Doc
+
+TYPE_CHECKING = False  # no typing at run time (see execd/__init__.py)
+if TYPE_CHECKING:
+    from typing import Dict, List, NamedTuple, Optional, Set, Tuple
+
+    from .validate import Doc
+else:
+    from .records import NamedTuple
 
 MAX_ITEMS = 200
 

@@ -7,11 +7,18 @@ snapshot; otherwise its digest is carried over. The tree never leaves its
 filesystem (no descent into /proc or mounts below the root).
 """
 
+from __future__ import annotations
+
 import os
 import stat
-from typing import Dict, Iterable, List, NamedTuple, Optional, Set, Tuple
 
 from .files import sha256
+
+TYPE_CHECKING = False  # no typing at run time (see execd/__init__.py)
+if TYPE_CHECKING:
+    from typing import Dict, Iterable, List, NamedTuple, Optional, Set, Tuple
+else:
+    from .records import NamedTuple
 
 HASH_CHUNK = 1 << 20
 HASH_THREADS = 4
@@ -38,7 +45,8 @@ class Entry(NamedTuple):
         )
 
 
-Tree = Dict[str, Entry]
+if TYPE_CHECKING:
+    Tree = Dict[str, Entry]
 
 
 def file_digest(path: str, buf: bytearray) -> str:

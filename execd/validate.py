@@ -1,15 +1,21 @@
 """Request body parsing and field checks: bad input is always a 400, never a 500."""
 
+from __future__ import annotations
+
 import json
 import math
-from typing import Any, Dict, Optional, Tuple
 
 from .errors import BadRequest
 
-_MISSING = object()
+TYPE_CHECKING = False  # no typing at run time (see execd/__init__.py)
+if TYPE_CHECKING:
+    from typing import Any, Dict, Optional, Tuple
 
-# A parsed JSON object: request bodies and the answers built for them.
-Doc = Dict[str, Any]
+    # A parsed JSON object: request bodies and the answers built for them.
+    Doc = Dict[str, Any]
+
+_MISSING = object()
+MAX_TIMEOUT_S = 7 * 24 * 3600.0  # the longest a command or a run may be given
 
 
 def parse_json(body: bytes) -> Dict[str, Any]:

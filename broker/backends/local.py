@@ -446,7 +446,7 @@ class LocalBackend:
             argv += ["--sync-fd", str(fds.sync)]
         for key, value in spec.env.items():
             argv += ["--setenv", key, value]
-        argv += ["--", *python, *localpyc.EXECD_FLAGS, "-m", "execd"]
+        argv += ["--", *python, *localpyc.EXECD_LAUNCH]
         argv += [
             "--listen-fd",
             str(fds.listener),

@@ -27,6 +27,20 @@ HEAVY = {
     "shutil",
     "tempfile",
     "random",
+    "typing",  # annotations only (execd/__init__.py): 0.6 MiB with what it pulls in
+    "ctypes",  # the subreaper prctl goes through _ctypes, the scrub through /proc
+    "base64",  # binascii's two functions instead (files.b64encode/b64decode)
+    "struct",
+    "contextlib",  # errors.suppress; and execd is started with -c, so no runpy pulls it in
+    "runpy",
+    # The parts made on first use (execd/api.py): runs, the state baseline, snapshots.
+    "execd.run",
+    "execd.runspec",
+    "execd.runreply",
+    "execd.state",
+    "execd.snapshot",
+    "execd.treescan",
+    "execd.sessionstate",
 }
 
 
@@ -131,3 +145,42 @@ def test_log_line_with_bad_arguments_is_still_written():
     finally:
         logs.configure("WARNING", None)
     assert "%d items ('many',)" in stream.getvalue()
+
+
+# Blanks the token in this process's exec-time environment block by the way named in
+# argv[1], then prints what /proc/self/environ shows and whether ctypes was imported.
+SCRUB = """
+import sys
+from execd import __main__ as m
+getattr(m, sys.argv[1])({b"SANDMAN_EXECD_TOKEN", b"EMPTY"})
+with open("/proc/self/environ", "rb") as f:
+    print(sorted(f.read().split(b"\\0")), "ctypes" in sys.modules)
+"""
+
+
+@pytest.mark.parametrize(
+    ("way", "imports_ctypes"), [("_scrub_via_proc", False), ("_scrub_via_libc", True)]
+)
+def test_both_scrubs_blank_the_token_in_the_exec_time_environment(way, imports_ctypes):
+    out = subprocess.run(
+        [oldest_python(), "-S", "-c", SCRUB, way],
+        cwd=REPO,
+        env={"SANDMAN_EXECD_TOKEN": "s3cret", "KEEP": "s3cret", "EMPTY": ""},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    entries = "[b'', b'EMPTY=', b'KEEP=s3cret', b'SANDMAN_EXECD_TOKEN=xxxxxx']"
+    assert out.split("\n")[0] == f"{entries} {imports_ctypes}"
+
+
+def test_libc_call_returns_the_errno_without_ctypes():
+    code = (
+        "import sys; from execd.reaper import libc_call; "
+        "print(libc_call('prctl', 9999, 0, 0, 0, 0), libc_call('prctl', 36, 1, 0, 0, 0), "
+        "'ctypes' in sys.modules)"
+    )
+    out = subprocess.run(
+        [oldest_python(), "-S", "-c", code], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout
+    assert out.split() == ["22", "0", "False"]  # EINVAL for an unknown option

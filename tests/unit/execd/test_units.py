@@ -1,5 +1,6 @@
 """Pure-function tests of execd's parts (no daemon)."""
 
+import base64
 import shutil
 import subprocess
 import sys
@@ -10,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from broker.wire import validation
-from execd import bashproto, errors, runspec, sessionstate
+from execd import bashproto, errors, files, records, runspec, sessionstate
 from execd.edit import apply_edit, occurrences
 from execd.output import BoundedCapture
 from execd.validate import parse_json
@@ -162,3 +163,54 @@ def test_run_env_refuses_what_the_acquire_env_refuses(name):
     assert runspec.reserved(name) == validation.reserved_env_name(name)
     assert runspec.RESERVED_ENV == validation._RESERVED_ENV
     assert runspec.RESERVED_PREFIXES == validation._RESERVED_ENV_PREFIXES
+
+
+class _Point(records.NamedTuple):
+    """A doc."""
+
+    x: int
+    y: str = "b"
+
+    def both(self) -> str:
+        return f"{self.x}{self.y}"
+
+
+def test_records_namedtuple_is_what_typings_would_be():
+    p = _Point(1)
+    assert (p, p.both(), _Point(2, y="c")) == ((1, "b"), "1b", (2, "c"))
+    assert _Point._fields == ("x", "y") and _Point.__doc__ == "A doc."
+    assert p._replace(y="z") == _Point(1, "z") and isinstance(p, tuple)
+    assert repr(p) == "_Point(x=1, y='b')" and _Point.__module__ == __name__
+    with pytest.raises(TypeError):
+        _Point()
+    with pytest.raises(TypeError, match="without a default follows"):
+
+        class _Bad(records.NamedTuple):
+            a: int = 1
+            b: int
+
+
+@PROPS
+@given(data=st.binary(max_size=64))
+def test_b64_helpers_match_the_base64_module(data):
+    encoded = base64.b64encode(data)
+    assert files.b64encode(data) == encoded
+    assert files.b64decode(encoded) == data
+
+
+@pytest.mark.parametrize("bad", [b"YQ=", b"YWJj!", b"YW Jj", b"YQ===", b"=YWJ", b"\xffYQ=="])
+def test_b64decode_refuses_what_validate_true_refuses(bad):
+    with pytest.raises(ValueError):
+        base64.b64decode(bad, validate=True)
+    with pytest.raises(ValueError):
+        files.b64decode(bad)
+
+
+def test_suppress_swallows_only_what_it_names():
+    with errors.suppress(OSError):
+        raise FileNotFoundError("a subclass is swallowed")
+    with pytest.raises(KeyError), errors.suppress(OSError, ValueError):
+        raise KeyError("another is not")
+    with errors.suppress(OSError):
+        done = True
+    assert done
