@@ -5,7 +5,9 @@ mid-sample is an error Inspect retries (``retry_on_error``), never a score.
 
 from __future__ import annotations
 
+import gc
 import secrets
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +35,14 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning"),
 ]
 IMAGE = TASK_IMAGE
+
+
+@pytest.fixture(autouse=True)
+def _collect_what_eval_left() -> Iterator[None]:
+    """Collect Inspect's unclosed stream here, under this module's warning filter: left to
+    a later collection, its ResourceWarning would fail whichever test runs then."""
+    yield
+    gc.collect()
 
 
 @pytest.fixture
