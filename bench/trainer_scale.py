@@ -12,7 +12,7 @@ Two parts, in one run:
    started as the local backend used to (``python3 -m execd``; with
    ``--baseline-launch compiled``, ``python3 -S -m execd`` on a byte-compiled copy), and
    as many of this tree's execd started as the local backend does now
-   (``localpyc.EXECD_LAUNCH`` on a byte-compiled copy),
+   (``EXECD_LAUNCH`` on a byte-compiled copy),
    all alive at once within each set: median RSS, PSS and USS (``smaps_rollup``) fresh,
    after three execs each, and after one one-shot run more (runs are imported on first
    use), and the ratio new/old.
@@ -210,6 +210,7 @@ def memory_part(n: int, ref: str, launch: str) -> dict[str, Any]:
     """``launch``: how the baseline starts, "module" (``python3 -m execd`` from source, the
     local backend before the idle-memory work) or "compiled" (as this tree's)."""
     from broker.backends import localpyc
+    from broker.backends.base import EXECD_LAUNCH
 
     work = Path(tempfile.mkdtemp(prefix="sandman-trainer-mem-"))
     try:
@@ -231,7 +232,7 @@ def memory_part(n: int, ref: str, launch: str) -> dict[str, Any]:
         else:
             old = daemon_set(n, base, ["-m", "execd"], work)
         # Run where it lies (the sandbox sees it at /sandman/execd; only tracebacks differ).
-        new = daemon_set(n, copy.parent, list(localpyc.EXECD_LAUNCH), work)
+        new = daemon_set(n, copy.parent, list(EXECD_LAUNCH), work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     ratio = {

@@ -47,6 +47,7 @@ from typing import Any
 from broker import failpoints
 from broker.backends import localnet, localprocs, localpyc
 from broker.backends.base import (
+    EXECD_LAUNCH,
     INBOX,
     LABEL_INSTALLATION,
     LABEL_NONCE,
@@ -446,7 +447,7 @@ class LocalBackend:
             argv += ["--sync-fd", str(fds.sync)]
         for key, value in spec.env.items():
             argv += ["--setenv", key, value]
-        argv += ["--", *python, *localpyc.EXECD_LAUNCH]
+        argv += ["--", *python, *EXECD_LAUNCH]
         argv += [
             "--listen-fd",
             str(fds.listener),

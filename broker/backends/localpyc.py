@@ -97,10 +97,3 @@ def compiled_copy(
     except (OSError, subprocess.SubprocessError) as exc:
         log.warning("execd bytecode not prepared (sandboxes compile it themselves): %s", exc)
         return None
-
-
-# How the sandbox's python starts execd (its options follow). ``-S``: no ``site`` (execd
-# needs no site-packages; site's imports and path scans cost every sandbox memory and
-# start time). ``-c``, not ``-m execd``: ``-m`` goes through ``runpy``, which imports
-# ``importlib.util`` and ``contextlib``, 0.2 MiB in every sandbox for finding one module.
-EXECD_LAUNCH = ("-S", "-c", "from execd.__main__ import main; raise SystemExit(main())")

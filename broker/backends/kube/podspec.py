@@ -19,6 +19,7 @@ from typing import Any
 
 from broker import names
 from broker.backends.base import (
+    EXECD_LAUNCH,
     LABEL_EGRESS,
     LABEL_INSTALLATION,
     LABEL_JOB,
@@ -231,9 +232,7 @@ def pod_manifest(
                     "imagePullPolicy": "IfNotPresent",
                     "command": [
                         "python3",
-                        "-S",  # no site: execd is stdlib-only (memory, start time)
-                        "-m",
-                        "execd",
+                        *EXECD_LAUNCH,
                         "--listen",
                         f"0.0.0.0:{port}",
                         "--workdir",
