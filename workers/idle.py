@@ -1,4 +1,5 @@
-"""Every worker process sweeps the idle deadlines once a second (``Settings.idle_sweep_s``).
+"""Every worker process sweeps the idle deadlines as the earliest one comes due, and at
+least once every ``Settings.idle_sweep_s`` (1 s).
 
 A thread, not a beat task: reclaim latency must not wait behind a queue (the pool queue
 also runs GC passes and refills), and a sweep with nothing due is one Redis call. Several
@@ -15,7 +16,6 @@ from typing import Any
 
 from celery.signals import worker_ready, worker_shutdown
 
-from broker.acquire.idle import BATCH
 from broker.settings import Settings
 from workers.runtime import broker
 
@@ -24,16 +24,16 @@ _stop = threading.Event()
 
 
 def _run(every_s: float) -> None:
-    next_reconcile = 0.0
-    while not _stop.wait(every_s):
+    next_reconcile, sleep_s = 0.0, every_s
+    while not _stop.wait(sleep_s):
+        sleep_s = every_s
         try:
             idle = broker().idle
-            while idle.sweep().due >= BATCH:  # a backlog: go on while sweeps are full
-                if _stop.is_set():
-                    return
+            report = idle.sweep()
             if time.monotonic() >= next_reconcile:
                 idle.reconcile()
                 next_reconcile = time.monotonic() + 5.0
+            sleep_s = report.sleep_s(time.time(), every_s)
         except Exception:
             log.exception("idle sweep failed; next one in %ss", every_s)
 

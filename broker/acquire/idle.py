@@ -14,7 +14,8 @@ that moment passes:
   or it answers how long it has been idle, and the deadline moves to exactly
   last activity + timeout (a command still running: now + timeout, the earliest the
   sandbox could be idle that long once it ends). So a sandbox in use costs one request
-  per timeout, an idle one is reclaimed within one sweep of its deadline.
+  per timeout, an idle one is reclaimed as its deadline passes: each sweep answers the
+  earliest deadline left, and the sweeper sleeps until then (at most ``idle_sweep_s``).
 
 A reclaim revokes at once and deletes through the normal path: execd already refuses
 every call (410, ``SandboxReclaimed`` in the client); ``sandman:reclaimed:<id>`` is set
@@ -65,12 +66,14 @@ MIN_RECHECK_S = 0.1  # never reschedule into the past (clocks of two hosts may d
 BATCH = 512  # entries one sweep claims at most; the next sweep takes the rest
 ACTOR = "idle-reclaim"
 
-# Pop the due entries and push each CLAIM_LEASE_S ahead, atomically: the claim.
+# Pop the due entries and push each CLAIM_LEASE_S ahead, atomically: the claim. Also
+# answers the earliest deadline left, so the sweeper can sleep until exactly then.
 _CLAIM = """
 local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, ARGV[2])
 local later = tonumber(ARGV[1]) + tonumber(ARGV[3])
 for _, id in ipairs(due) do redis.call('ZADD', KEYS[1], later, id) end
-return due
+local first = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
+return {due, first[2] or false}
 """
 # Add, or move earlier (never later): what a registration or the reconcile may do.
 _EARLIER = """
@@ -103,6 +106,16 @@ class SweepReport:
     rescheduled: int = 0
     dropped: int = 0
     errors: int = 0
+    next_due_at: float | None = None  # the earliest deadline left (epoch s); None: none
+
+    def sleep_s(self, now: float, at_most_s: float) -> float:
+        """How long the sweeper may sleep: until the next deadline, but never more than
+        ``at_most_s`` (a hand-out registered meanwhile may come due sooner)."""
+        if self.due >= BATCH:
+            return 0.0  # a backlog: sweep again at once
+        if self.next_due_at is None:
+            return at_most_s
+        return min(at_most_s, max(self.next_due_at - now, 0.0))
 
 
 class IdleReclaimer:
@@ -169,16 +182,22 @@ class IdleReclaimer:
         """Claim the due entries, judge them in parallel, apply the verdicts."""
         report = SweepReport()
         now = self.clock()
-        due = [
-            _text(d)
-            for d in self._claim(keys=[names.IDLE_DEADLINES_KEY], args=[now, BATCH, CLAIM_LEASE_S])
-        ]
+        claimed, first = self._claim(
+            keys=[names.IDLE_DEADLINES_KEY], args=[now, BATCH, CLAIM_LEASE_S]
+        )
+        due = [_text(d) for d in claimed]
         report.due = len(due)
+        report.next_due_at = float(first) if first else None
         if not due:
             return report
         rows = self._held(due)
         verdicts = list(self._pool.map(lambda sid: self._judge(sid, rows.get(sid), now), due))
         self._apply(verdicts, report)
+        rescheduled = [v.next_at for v in verdicts if v.next_at is not None and not v.reclaimed]
+        if rescheduled:
+            soonest = min(rescheduled)
+            if report.next_due_at is None or soonest < report.next_due_at:
+                report.next_due_at = soonest
         return report
 
     def _held(self, ids: Iterable[str]) -> dict[str, tuple[Sandbox, float | None]]:
