@@ -45,7 +45,7 @@ from tests.cluster.conftest import (
 )
 from tests.integration.client.test_transports import Handle
 from tests.integration.snapshots.test_fork import _change_everything, _out, check_forks
-from tests.support.forkcrash import POINTS, kill_mid_fork
+from tests.support.forkcrash import KUBE_POINTS, kill_mid_fork
 from tests.support.ownbroker import OwnBroker, own_settings, running_broker
 from tests.support.registry import LoopbackRegistry
 from tests.support.wait import wait_until
@@ -260,7 +260,7 @@ def test_a_restore_into_a_pod_of_another_image_digest_is_refused(
         again.release()
 
 
-@pytest.mark.parametrize("point", POINTS)
+@pytest.mark.parametrize("point", KUBE_POINTS)
 def test_a_worker_killed_mid_fork_leaves_nothing_unowned(
     point: str,
     kubeconfig_path: str,
