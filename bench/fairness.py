@@ -30,7 +30,9 @@ The phases, paced at ``--rate`` creates/s (burst ``--burst``):
 Prints B's acquire latency (client-measured, queue-inclusive) p50/p90/p99 alone and with
 A bursting, their ratio, where B's time went (ledger: fair queue and gate, pacer, create),
 the CPU of the broker (and of the API server) in each phase, A's creates during phase 2,
-and the weighted shares; saves bench/out/fairness.json (``fairness-kube.json`` on kube).
+and the weighted shares. On kube, beside each of B's asks, a bare pod is created and
+watched to Ready with no broker at all (the cluster's own latency under the same load).
+Saves bench/out/fairness.json (``fairness-kube.json`` on kube).
 A benchmark, not a test: nothing here asserts.
 """
 
@@ -39,6 +41,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as dt
+import itertools
 import os
 import secrets
 import sys
@@ -69,6 +72,7 @@ class Rig:
     new_job: Callable[[Any, str], object]  # (session, job): the job, on this backend's nodes
     groups: dict[str, list[int]]  # process groups whose CPU each phase reports
     finish: Callable[[dict[str, Any], set[str]], None]  # the end of a run: leak check
+    probe: Callable[[], float] | None = None  # the cluster's POST -> Ready, no broker
 
 
 @contextlib.contextmanager
@@ -109,11 +113,13 @@ def local_rig(args: argparse.Namespace) -> Iterator[Rig]:
 @contextlib.contextmanager
 def kube_rig(args: argparse.Namespace) -> Iterator[Rig]:
     """The scale run's harness on the kwok nodes (simulated readiness), leak-checked."""
+    from bench.cold_kwok import bare_create_to_ready
     from bench.kube_stack import CPU, MEMORY, Harness
     from bench.kwok import ensure_kwok_job
 
     tag = f"fair-{dt.datetime.now(dt.UTC):%m%d%H%M}"
     print(f"starting the stack {tag} (kwok nodes) ...", flush=True)
+    probes = itertools.count()
     with Harness(args, tag) as h:
         yield Rig(
             backend="kubernetes (kwok nodes, readiness simulated)",
@@ -123,6 +129,7 @@ def kube_rig(args: argparse.Namespace) -> Iterator[Rig]:
             new_job=lambda session, job: ensure_kwok_job(session, job, lease_s=3600.0),
             groups=h.meter.groups,
             finish=lambda doc, jobs: h.release_and_check([], doc, jobs),
+            probe=lambda: bare_create_to_ready(h, 1, 1, f"{tag}-{next(probes)}")[0],
         )
 
 
@@ -160,7 +167,7 @@ def run(rig: Rig, args: argparse.Namespace) -> int:
         client.open(job=b, timeout=600, **shape).release()  # warm-up: image unpacked, etc.
         print(f"phase 1: B alone, 1 ask/s for {args.alone_seconds} s", flush=True)
         t_alone, meter = time.time(), Meter(rig.groups)
-        alone = steady(client, b, args.alone_seconds, shape)
+        alone, bare_alone = steady(client, b, args.alone_seconds, shape, rig.probe)
         usage_alone = cores(meter)
         t_burst, meter = time.time(), Meter(rig.groups)
         print(f"phase 2: A enqueues {args.burst_size}, B asks 1/s for {args.b_seconds} s")
@@ -169,7 +176,7 @@ def run(rig: Rig, args: argparse.Namespace) -> int:
         client.enqueuer.send_all(core.acquire_message(r) for r in burst)
         enqueue_s = time.perf_counter() - t0
         a_before = creates_of(sessions, a)
-        contended = steady(client, b, args.b_seconds, shape)
+        contended, bare_burst = steady(client, b, args.b_seconds, shape, rig.probe)
         a_during = creates_of(sessions, a) - a_before
         usage_burst = cores(meter)
         parts_alone = breakdown(sessions, b, t_alone, t_burst)
@@ -202,6 +209,8 @@ def run(rig: Rig, args: argparse.Namespace) -> int:
             b_parts_with_a_burst=parts_burst,
             cores_alone=usage_alone,
             cores_with_a_burst=usage_burst,
+            bare_alone=summary(bare_alone),
+            bare_with_a_burst=summary(bare_burst),
         )
         report(doc, alone, contended, args)
         name = "fairness" if args.backend == "local" else f"fairness-{args.backend}"
@@ -233,6 +242,13 @@ def report(doc: dict[str, Any], alone: list[float], contended: list[float], args
             f"{name:16} "
             + "  ".join(f"{k} p50 {v['p50']:.3f}s p99 {v['p99']:.3f}s" for k, v in doc[key].items())
         )
+    for name, key in (("bare alone", "bare_alone"), ("bare, A bursting", "bare_with_a_burst")):
+        if doc[key]["n"]:
+            b = doc[key]
+            print(
+                f"{name:16} POST->Ready p50 {b['p50']:.3f}s  p90 {b['p90']:.3f}s  "
+                f"p99 {b['p99']:.3f}s  (n={b['n']}; the cluster alone, one pod a second)"
+            )
     for name, key in (("B alone", "cores_alone"), ("B, A bursting", "cores_with_a_burst")):
         print(f"{name:16} cores: " + "  ".join(f"{k} {v}" for k, v in doc[key].items()))
     print(f"ratio (A bursting / alone): p50 {doc['p50_ratio']:.2f}x  p99 {doc['p99_ratio']:.2f}x")
@@ -250,9 +266,18 @@ def report(doc: dict[str, Any], alone: list[float], contended: list[float], args
     )
 
 
-def steady(client: Any, job: str, seconds: int, shape: dict[str, Any]) -> list[float]:
-    """One acquire per second for ``seconds``, each in its own thread; their latencies."""
+def steady(
+    client: Any,
+    job: str,
+    seconds: int,
+    shape: dict[str, Any],
+    probe: Callable[[], float] | None = None,
+) -> tuple[list[float], list[float]]:
+    """One acquire per second for ``seconds``, each in its own thread: their latencies;
+    and beside each acquire one ``probe`` (the cluster's own POST -> Ready, no broker):
+    its latencies, under the same load."""
     out: list[float] = []
+    bare: list[float] = []
     lock = threading.Lock()
 
     def ask() -> None:
@@ -261,16 +286,27 @@ def steady(client: Any, job: str, seconds: int, shape: dict[str, Any]) -> list[f
             out.append(sandbox.acquire_s)
         sandbox.release()
 
+    def sample() -> None:
+        assert probe is not None
+        try:
+            took = probe()
+        except Exception as exc:  # a probe that fails is no latency; the run goes on
+            print(f"bare probe failed: {type(exc).__name__}: {exc}"[:300], flush=True)
+            return
+        with lock:
+            bare.append(took)
+
     threads = []
     start = time.monotonic()
     for i in range(seconds):
         time.sleep(max(0.0, start + i - time.monotonic()))
-        thread = threading.Thread(target=ask, daemon=True)
-        thread.start()
-        threads.append(thread)
+        for target in (ask, sample) if probe else (ask,):
+            thread = threading.Thread(target=target, daemon=True)
+            thread.start()
+            threads.append(thread)
     for thread in threads:
         thread.join(timeout=900)
-    return out
+    return out, bare
 
 
 def breakdown(sessions: Any, job: str, since: float, until: float) -> dict[str, Any]:
@@ -343,11 +379,15 @@ def cancel(client: Any, requests: list[dict[str, Any]]) -> None:
 
 
 def wait_drained(client: Any) -> None:
-    """Until no acquire is queued or served (cancelled ones are dropped by the pops)."""
+    """Until no acquire is queued or served (cancelled ones are dropped by the pops), and
+    no "acquire pending" message is left: a run that ended with thousands of them would
+    leave them to the next run's workers (its Redis keeps them on disk)."""
     from broker.acquire.fairshare import PROC
+    from broker.names import Queue
     from broker.wire import fairq
 
-    while client.redis.hlen(fairq.BODIES) or client.redis.zcard(PROC):
+    r = client.redis
+    while r.hlen(fairq.BODIES) or r.zcard(PROC) or r.llen(Queue.ACQUIRE.value):
         time.sleep(0.5)
 
 
