@@ -20,7 +20,7 @@ import queue
 import subprocess
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -280,7 +280,15 @@ class Harness:
             ).all()
         return {f"{a}:{o}": int(c) for a, o, c in rows}
 
-    def release_all(self, held: list[Any], label: str, series: list[dict[str, Any]]) -> float:
+    def release_all(
+        self,
+        held: list[Any],
+        label: str,
+        series: list[dict[str, Any]],
+        jobs: Collection[str] = (),
+    ) -> float:
+        """Release ``held``, then wait until no row of ``jobs`` (default: the run's own
+        job) is short of deleted; the seconds that took."""
         from sqlalchemy import func, select
 
         from broker.ledger.models import Sandbox
@@ -289,13 +297,14 @@ class Harness:
         for sb in held:
             sb.release()
         tick = self.progress_printer(label, series)
+        watched = list(jobs or (self.job,))
         while True:
             with self.sessions() as session:
                 live = (
                     session.scalar(
                         select(func.count())
                         .select_from(Sandbox)
-                        .where(Sandbox.job == self.job, Sandbox.state != "deleted")
+                        .where(Sandbox.job.in_(watched), Sandbox.state != "deleted")
                     )
                     or 0
                 )
@@ -304,12 +313,15 @@ class Harness:
                 return time.monotonic() - t0
             time.sleep(1.0)
 
-    def release_and_check(self, held: list[Any], doc: dict[str, Any]) -> None:
+    def release_and_check(
+        self, held: list[Any], doc: dict[str, Any], jobs: Collection[str] = ()
+    ) -> None:
         """The end of every run: release all, then the leak check; figures into ``doc``.
+        ``jobs``: the jobs whose rows must be deleted first (default: the run's own job).
 
         ``usage_total`` is taken before the leak check, whose GC pass is not the run's cost."""
         print("releasing all ...", flush=True)
-        doc["release_wall_s"] = self.release_all(held, "release", [])
+        doc["release_wall_s"] = self.release_all(held, "release", [], jobs)
         doc["usage_total"] = self.meter.totals()
         doc["leaks_after"] = self.leaks()
         print(f"after teardown: {doc['leaks_after']}", flush=True)

@@ -35,9 +35,25 @@ from broker import names
 from broker.errors import AcquireTimeout
 
 PREFIX = names.PACE_PREFIX
-# Must stay well below burst / rate of the global bucket (1 s at the defaults), so a
-# job-throttled reservation never eats into the burst other jobs can use now.
+# The longest lead of a reservation over its start. Must stay well below burst / rate
+# of the global bucket (1 s at the defaults), so a job-throttled reservation never eats
+# into the burst other jobs can use now.
 RESERVE_HORIZON_S = 0.25
+MIN_HORIZON_S = 0.01  # the shortest: the pacer's shortest sleep between two asks
+
+
+def reserve_horizon(rate: float) -> float:
+    """How far ahead of its start a create's token may be reserved at ``rate`` creates/s:
+    one interval, between MIN_HORIZON_S and RESERVE_HORIZON_S.
+
+    Every token reserved ahead is one that a request arriving later cannot have: the
+    request the fair queue serves next (another job's, say) waits behind all of them, so
+    a lead of 0.25 s at 25 creates/s put six of a bursting job's creates before it. One
+    interval is all the pipeline needs: the next request is popped and admitted while
+    this one sleeps to its start, and one that comes late costs no throughput (its
+    start is not lost: the bucket's burst lets the next ones catch up)."""
+    return min(RESERVE_HORIZON_S, max(MIN_HORIZON_S, 1.0 / rate))
+
 
 # KEYS: bucket keys. ARGV: max_wait, then (interval, burst) per key.
 # Returns {granted 0|1, wait seconds, reserved start (Redis time)} as strings.
@@ -176,28 +192,31 @@ class Pacer:
         *,
         deadline: float,
         on_reserved: Callable[[], None] | None = None,
-    ) -> None:
-        """Block (monotonic ``deadline``) until this caller may start one create;
-        ``on_reserved`` is told as soon as its start is reserved, before the sleep to it.
+    ) -> float:
+        """Block (monotonic ``deadline``) until this caller may start one create; the
+        start it reserved (Redis time). ``on_reserved`` is told as soon as its start is
+        reserved, before the sleep to it.
 
-        Reservations are made at most RESERVE_HORIZON_S ahead. A reservation also moves
-        the global bucket to its start time, so a job throttled by its own rate that
-        reserved far ahead would hold every other job back until then. Instead, a caller
+        Reservations are made at most ``reserve_horizon(rate)`` ahead (one interval). A
+        reservation also moves the global bucket to its start time, so a job throttled by
+        its own rate that reserved far ahead would hold every other job back until then,
+        and every reservation goes before whatever arrives after it. Instead, a caller
         whose turn is further away sleeps until it is within reach and asks again; a
         caller whose turn is past its deadline is refused at once.
         """
+        horizon = reserve_horizon(limits.rate)
         while True:
             remaining = deadline - self.clock.monotonic()
-            granted, wait, _ = self._try(limits, max(0.0, min(RESERVE_HORIZON_S, remaining)))
+            granted, wait, start = self._try(limits, max(0.0, min(horizon, remaining)))
             if granted:
                 if on_reserved is not None:
                     on_reserved()
                 if wait > 0:
                     self.clock.sleep(wait)
-                return
+                return start
             if wait > remaining:
                 raise AcquireTimeout("create rate limit: no token before the deadline")
-            self.clock.sleep(max(0.01, wait - RESERVE_HORIZON_S / 2))
+            self.clock.sleep(max(MIN_HORIZON_S, wait - horizon / 2))
 
     def _sem_keys(self, limits: Limits) -> tuple[list[str], list[int]]:
         keys, caps = [names.PACE_SEM_GLOBAL], [limits.max_concurrent]

@@ -28,9 +28,11 @@ a weight changed at run time applies from each flow's next turn (no queued tag t
 competes for its create slot and token (``broker.pacing``) with the others popped before
 it, so at most ``gate`` popped requests may be waiting for a token at once (the gate, a
 sorted set with leases); a worker leaves the gate as soon as its token's start is
-reserved (at most the pacer's 0.25 s horizon ahead), or while its job waits at its live
-cap. A job whose own create bucket (``Job.create_rate``) would
-make it wait past the pacer's horizon is skipped, so a throttled job never holds the gate.
+reserved (at most the pacer's horizon ahead: one interval, ``pacing.reserve_horizon``),
+or while its job waits at its live cap. The short horizon is what lets the request
+served next have the next token: only the tokens reserved within it go first. A job whose
+own create bucket (``Job.create_rate``) would make it wait past the horizon is skipped,
+so a throttled job never holds the gate.
 
 **Crash safety.** A popped request stays in a processing set with a lease (Redis time),
 renewed by its live worker (``renew``, from the worker's renewal thread) and removed when
@@ -294,8 +296,8 @@ def default_gate(create_rate: float) -> int:
     One, up to 25 creates/s: pops then reserve tokens strictly in the scheduler's order
     (with more, the waiters race for the next start and a newcomer can lose that race
     several times running). One is enough to keep the bucket busy: a request leaves the
-    gate when its start is reserved, up to the pacer's 0.25 s horizon ahead, so the next
-    pop and its admission overlap the wait. Above 25/s (an interval under 40 ms, close to
+    gate when its start is reserved, up to the pacer's horizon (one interval) ahead, so
+    the next pop and its admission overlap the wait. Above 25/s (an interval under 40 ms, close to
     one admission on a busy host) one more per 25/s, so the gate never caps the rate."""
     return max(1, math.ceil(create_rate / 25))
 

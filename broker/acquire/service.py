@@ -48,7 +48,7 @@ from broker.ledger.models import Job, Sandbox
 from broker.ledger.states import State
 from broker.names import Queue, Task
 from broker.ownership.provider import Provider
-from broker.pacing import Limits, Pacer
+from broker.pacing import Limits, Pacer, reserve_horizon
 from broker.pools import reuse
 from broker.pools.prepull import PrePull
 from broker.pools.store import WarmStore, parse_pools
@@ -152,6 +152,7 @@ class Broker:
             redis,
             lease_s=settings.redelivery_s * 2 / 3,
             gate=settings.fair_gate or default_gate(settings.create_rate),
+            horizon_s=reserve_horizon(settings.create_rate),
         )
         self.enqueue: Enqueue = enqueue or (lambda name, args, queue: None)
         self.pools = PoolUpkeep(settings, sessions, self.provider, self.warm, self.enqueue)

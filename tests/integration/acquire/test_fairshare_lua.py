@@ -7,6 +7,9 @@ way a worker pops them, so every order below is the scheduler's, exactly (no tim
 from __future__ import annotations
 
 import collections
+import functools
+import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -14,7 +17,7 @@ import pytest
 import redis
 
 from broker.acquire.fairshare import PROC, WAKE, FairQueue, Pop, conf_fields
-from broker.pacing import Limits, Pacer
+from broker.pacing import Limits, Pacer, reserve_horizon
 from broker.wire import fairq, mailbox
 from broker.wire.request import AcquireRequest
 from tests.integration.conftest import flushed_db
@@ -212,3 +215,58 @@ def test_weights_change_at_run_time(r: redis.Redis) -> None:
     q.publish_conf(conf_fields([("b", None, 3.0, None, None)], {}))
     counts: dict[str, Any] = collections.Counter(jobs(served(q, 80)))
     assert abs(counts["b"] - 60) <= 1
+
+
+def test_a_newcomer_waits_only_for_the_tokens_reserved_within_one_interval(
+    r: redis.Redis,
+) -> None:
+    """Four workers serve a bursting job at 25 creates/s the way the acquire path does
+    (pop, take the pacer's token, leave the gate once it is reserved). Another job's
+    request arriving then is served next, so the only creates of the burst that start
+    before it are those whose tokens were reserved by then, which the horizon (one
+    interval) bounds, and the one or two popped before its arrival was seen.
+
+    Compared by the starts the pacer reserved (Redis time), not by when anything ran."""
+    rate = 25.0
+    limits = Limits(rate=rate, burst=1, max_concurrent=1000)
+    q, pacer = queue(r, gate=1), Pacer(r)
+    push(r, "burst", 400)
+    starts: list[tuple[float, str]] = []
+    lock = threading.Lock()
+    stop = threading.Event()
+
+    def worker() -> None:
+        while not stop.is_set():
+            got = q.pop()
+            if got.kind == "gated":
+                q.wait_gate(0.05)
+                continue
+            assert got.kind == "ok" and got.body is not None, got
+            ungate = functools.partial(q.ungate, got.request_id)
+            start = pacer.take(limits, deadline=time.monotonic() + 600, on_reserved=ungate)
+            with lock:
+                starts.append((start, got.body["job"]))
+            q.done(got.request_id)
+
+    threads = [threading.Thread(target=worker, daemon=True) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    wait_until(lambda: len(starts) >= 10, timeout=120, interval=0.05, what="the burst going")
+    arrived = pacer.server_time()
+    push(r, "newcomer", 1)
+    wait_until(
+        lambda: any(job == "newcomer" for _, job in starts),
+        timeout=120,
+        interval=0.05,
+        what="the newcomer's create",
+    )
+    stop.set()
+    for thread in threads:
+        thread.join(timeout=60)
+    (mine,) = [start for start, job in starts if job == "newcomer"]
+    ahead = [start for start, job in starts if job == "burst" and arrived < start < mine]
+    # reserved by then: within one interval (``reserve_horizon``) after ``arrived``, so
+    # at most one; popped before the arrival was seen: the one in the gate, and the next
+    # if it left the gate just then. (A fixed 0.25 s horizon gave four here, every time.)
+    assert reserve_horizon(rate) == pytest.approx(1 / rate)
+    assert len(ahead) <= 1 + 2, (len(ahead), sorted(starts))

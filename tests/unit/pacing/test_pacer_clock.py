@@ -15,12 +15,13 @@ from typing import Any
 import pytest
 
 from broker.errors import AcquireTimeout
-from broker.pacing import RESERVE_HORIZON_S, Limits, Pacer
+from broker.pacing import RESERVE_HORIZON_S, Limits, Pacer, reserve_horizon
 from tests.support.clocks import FakeClock
 
 pytestmark = pytest.mark.unit
 
 LIMITS = Limits(rate=10, burst=5, max_concurrent=2)
+HORIZON = reserve_horizon(LIMITS.rate)  # one interval: 0.1 s
 
 
 class ScriptedRedis:
@@ -41,7 +42,7 @@ class ScriptedRedis:
     def _bucket(self, *, keys: list[str], args: list[Any]) -> list[Any]:
         self.calls.append(("bucket", args[0]))  # args[0] is max_wait
         granted, wait = self.bucket.pop(0)
-        return [int(granted), str(wait), "0"]
+        return [int(granted), str(wait), str(100.0 + wait)]  # start: Redis time 100 + wait
 
     def _slot(self, *, keys: list[str], args: list[Any]) -> int:
         self.calls.append(("slot", args[0]))
@@ -72,11 +73,27 @@ def pacer(redis: ScriptedRedis, clock: FakeClock) -> Pacer:
     return Pacer(redis, clock=clock)
 
 
+def test_the_horizon_is_one_interval_within_its_bounds() -> None:
+    assert reserve_horizon(25) == pytest.approx(0.04)
+    assert reserve_horizon(4) == RESERVE_HORIZON_S  # 0.25 s: one interval, the cap
+    assert reserve_horizon(0.5) == RESERVE_HORIZON_S
+    assert reserve_horizon(10_000) == pytest.approx(0.01)  # the floor
+
+
 def test_a_free_token_is_taken_without_sleeping(pacer, redis, clock) -> None:
     redis.bucket = [(True, 0.0)]
-    pacer.take(LIMITS, deadline=clock.now + 10)
+    assert pacer.take(LIMITS, deadline=clock.now + 10) == 100.0  # the reserved start
     assert clock.sleeps == []
-    assert redis.calls == [("bucket", RESERVE_HORIZON_S)]
+    assert redis.calls == [("bucket", HORIZON)]
+
+
+def test_at_25_per_second_a_token_is_reserved_at_most_40_ms_ahead(pacer, redis, clock) -> None:
+    """The tokens reserved ahead go before any request that arrives later: one interval."""
+    redis.bucket = [(False, 0.3), (True, 0.02)]
+    limits = Limits(rate=25, burst=25, max_concurrent=2)
+    assert pacer.take(limits, deadline=clock.now + 10) == pytest.approx(100.02)
+    assert [max_wait for _, max_wait in redis.calls] == [pytest.approx(0.04)] * 2
+    assert clock.sleeps == [pytest.approx(0.3 - 0.02), 0.02]
 
 
 def test_a_reserved_turn_is_slept_out_exactly(pacer, redis, clock) -> None:
@@ -89,8 +106,8 @@ def test_a_far_turn_is_asked_for_again_from_within_the_horizon(pacer, redis, clo
     """Nothing is reserved far ahead: the caller sleeps until its turn is within reach."""
     redis.bucket = [(False, 1.0), (True, 0.1)]
     pacer.take(LIMITS, deadline=clock.now + 10)
-    assert clock.sleeps == [pytest.approx(1.0 - RESERVE_HORIZON_S / 2), 0.1]
-    assert [max_wait for _, max_wait in redis.calls] == [RESERVE_HORIZON_S] * 2
+    assert clock.sleeps == [pytest.approx(1.0 - HORIZON / 2), 0.1]
+    assert [max_wait for _, max_wait in redis.calls] == [HORIZON] * 2
 
 
 def test_a_turn_past_the_deadline_is_refused_at_once(pacer, redis, clock) -> None:
