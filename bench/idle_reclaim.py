@@ -14,7 +14,7 @@ Runs its own stack (embedded PostgreSQL and Redis, the real Celery workers and b
 The timeout is set on the job only after every sandbox was used (the reconcile puts their
 deadlines in), so the creates do not compete with the sweeps being measured.
 
-    flock /work/bench.lock .venv/bin/python bench/idle_reclaim.py --n 1000 --timeout-s 60
+    .venv/bin/python bench/idle_reclaim.py --n 1000 --timeout-s 60
 """
 
 from __future__ import annotations

@@ -15,8 +15,8 @@ turn: the filesystem store in a temporary directory, and the S3 store on a priva
 versitygw (posix backend) on loopback with its data on the same disk. Per store and
 operation the p50 and p90 of the trials' durations, as throughput (p90 is the slow side);
 the ratio is S3's p50 throughput over the filesystem's (the baseline) in the same run.
-One run; a benchmark, not a test: nothing asserts. Run it under ``flock
-/work/bench.lock`` on a shared machine.
+One run; a benchmark, not a test: nothing asserts. Run one benchmark at a time on a
+shared machine.
 """
 
 from __future__ import annotations
