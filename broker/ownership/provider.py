@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import KW_ONLY, dataclass, field
+from typing import Any
 
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -138,9 +139,9 @@ class Provider:
         (``AcquireRequest``).
         """
         with self.sessions.begin() as session:
-            existing = store.by_request(session, spec.request_id)
+            existing = store.id_by_request(session, spec.request_id)
             if existing is not None:
-                return existing.id, self.token_for(existing)
+                return existing.id, derive_token(self._key, existing.id, existing.nonce)
             if abandoned:
                 raise AcquireTimeout(
                     f"acquire {spec.request_id} was abandoned by its trainer while queued"
@@ -162,7 +163,7 @@ class Provider:
             sandbox_id, nonce = new_id(), store.new_nonce()
             token = derive_token(self._key, sandbox_id, nonce)
             margin = self.settings.create_lease_margin_s
-            row = store.new_intent(
+            store.insert_intent(
                 session,
                 spec,
                 installation=self.settings.installation_id,
@@ -178,9 +179,8 @@ class Provider:
                 actor=self.actor,
                 image_resolved=resolved,
             )
-            result = row.id, token
         self.failpoint("after-intent")
-        return result
+        return sandbox_id, token
 
     # -- 2/3/4. create ----------------------------------------------------------------
 
@@ -195,16 +195,17 @@ class Provider:
     ) -> Lease:
         """Run the create protocol for a committed intent row and return its lease."""
         started = time.monotonic()
-        with self.sessions.begin() as session:
-            row = self._locked(session, sandbox_id)
+        # One committed statement moves requested/creating -> creating; any other state
+        # is read under the row lock and answered here.
+        row: Any = store.begin_create(self.sessions, sandbox_id, actor=self.actor)
+        if row is None:
+            with self.sessions.begin() as session:
+                done = self._locked(session, sandbox_id)
+                if done.state == State.READY:
+                    return Lease.from_row(done, token)
+                raise CreateFailed(f"sandbox {sandbox_id} is {done.state}: {done.last_error}")
+        with self.sessions() as session:
             job = self.job(session, row.job)
-            if row.state == State.READY:
-                return Lease.from_row(row, token)
-            if row.state not in (State.REQUESTED, State.CREATING):
-                raise CreateFailed(f"sandbox {sandbox_id} is {row.state}: {row.last_error}")
-            if row.state == State.REQUESTED:
-                store.transition(session, row, State.CREATING, actor=self.actor)
-            row.create_attempts += 1
             spec = self._pod_spec(row, job, token, workdir, env or {})
             budget = job.readiness_budget_s
             allow = list(job.egress_allow or [])
@@ -217,9 +218,9 @@ class Provider:
             sent = time.monotonic()
             info = self._submit(spec)
             self.failpoint("after-create-sent")
-            info = self.backend.pull_record(
-                self._await_ready(spec, token, budget, started, give_up)
-            )
+            info = self._await_ready(spec, token, budget, started, give_up)
+            if not spec.simulated_readiness:  # a simulated node pulls nothing
+                info = self.backend.pull_record(info)
             audit.append(
                 {"action": "ready", "outcome": "observed", "api_s": time.monotonic() - sent}
             )
@@ -227,11 +228,12 @@ class Provider:
         except BaseException as exc:
             self._settle_failure(sandbox_id, spec, exc, audit)
             raise
-        return self._mark_ready(sandbox_id, token, info, started, give_up, audit=audit)
+        return self._mark_ready(sandbox_id, token, info, started, give_up, audit=audit, job=job)
 
     def _pod_spec(
-        self, row: Sandbox, job: Job, token: str, workdir: str, env: dict[str, str]
+        self, row: Any, job: Job, token: str, workdir: str, env: dict[str, str]
     ) -> PodSpec:
+        """The pod of ``row`` (a ``Sandbox``, or the columns ``store.begin_create`` returns)."""
         return PodSpec(
             name=row.pod_name,
             namespace=row.namespace,
@@ -380,7 +382,31 @@ class Provider:
         give_up: threading.Event | None,
         *,
         audit: list[dict[str, object]],
+        job: Job,
     ) -> Lease:
+        if len(audit) == 1 and (give_up is None or not give_up.is_set()):
+            # The common case in one statement; a row no longer ``creating`` (released
+            # meanwhile) is settled by the general path below.
+            observed = {
+                "pod_ip": info.ip,
+                "node_name": info.node,
+                "address": info.address,
+                "create_to_ready_s": time.monotonic() - started,
+                "image_pull_s": info.image_pull_s,
+                "start_s": info.start_s,
+                "image_pulled": info.pulled,
+                "readiness_simulated": self._simulated(job),
+            }
+            ready: Any = store.mark_ready(
+                self.sessions,
+                sandbox_id,
+                actor=self.actor,
+                lease_s=job.lease_s,
+                observed=observed,
+                audit=audit[0],
+            )
+            if ready is not None:
+                return Lease.from_row(ready, token)
         with self.sessions.begin() as session:
             row = self._locked(session, sandbox_id)
             self._write_audit(session, row, audit)
@@ -581,18 +607,16 @@ class Provider:
             )
 
     def _api_event(self, spec: PodSpec, action: str, outcome: str, **detail: object) -> None:
-        with self.sessions.begin() as session:
-            store.audit_only(session)
-            about = store.Subject(spec.sandbox_id, spec.job, spec.name, spec.nonce)
-            store.append_event(
-                session,
-                about,
-                kind="api",
-                action=action,
-                outcome=outcome,
-                actor=self.actor,
-                detail=dict(detail),
-            )
+        about = store.Subject(spec.sandbox_id, spec.job, spec.name, spec.nonce)
+        store.insert_audit(
+            self.sessions,
+            about,
+            kind="api",
+            action=action,
+            outcome=outcome,
+            actor=self.actor,
+            detail=dict(detail),
+        )
 
 
 def sandbox_egress_denied(job: Job, requested: str | None) -> bool:
