@@ -527,6 +527,15 @@ def by_request(session: Session, request_id: str) -> Sandbox | None:
     return session.scalars(select(Sandbox).where(Sandbox.request_id == request_id)).first()
 
 
+_STATE_OF = text("SELECT state FROM sandboxes WHERE id = :id")
+
+
+def state_of(session: Session, sandbox_id: str) -> str | None:
+    """The row's state, or None when there is no such row: a poll that loads no row."""
+    state = session.execute(_STATE_OF, {"id": sandbox_id}).scalar()
+    return None if state is None else str(state)
+
+
 _BY_REQUEST = text("SELECT id, nonce FROM sandboxes WHERE request_id = :request_id")
 
 

@@ -370,8 +370,8 @@ class Provider:
         if give_up is not None and give_up.is_set():
             return True
         with self.sessions() as session:
-            row = session.get(Sandbox, sandbox_id)
-            return row is None or row.state == State.RELEASING
+            state = store.state_of(session, sandbox_id)  # one column, no ORM object
+            return state is None or state == State.RELEASING
 
     def _mark_ready(
         self,
