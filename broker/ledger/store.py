@@ -198,18 +198,58 @@ FROM row
 )
 
 
-def insert_intent(
-    session: Session, spec: AcquireRequest, *, actor: str = "broker", **where: Any
-) -> str:
-    """``new_intent`` in one statement (``_INSERT_INTENT``) and no ORM object: the acquire
-    path's intent. Returns the sandbox id; the caller commits."""
+# ``_INSERT_INTENT`` as a statement of its own that is also the idempotency read: the row
+# is inserted unless one with its request id exists, and the row of the request id is
+# returned either way (none: a twin delivery committed it after this statement's snapshot).
+_INSERT_INTENT_ONCE = text(
+    f"""
+WITH row AS (
+  INSERT INTO sandboxes ({", ".join(_INTENT_COLUMNS)})
+  VALUES ({", ".join(":" + c for c in _INTENT_COLUMNS)})
+  ON CONFLICT (request_id) DO NOTHING
+  RETURNING id, job, pod_name, nonce
+),
+event AS (
+  INSERT INTO events (at, sandbox_id, job, pod_name, nonce, kind, action, to_state, actor,
+    detail)
+  SELECT :requested_at, id, job, pod_name, nonce, 'transition', 'intent', 'requested', :actor,
+    CAST(:detail AS JSON)
+  FROM row
+)
+SELECT id, nonce FROM row
+UNION ALL
+SELECT id, nonce FROM sandboxes
+WHERE request_id = :request_id AND NOT EXISTS (SELECT 1 FROM row)
+"""  # noqa: S608
+)
+
+
+def insert_intent_once(
+    sessions: sessionmaker[Session], spec: AcquireRequest, *, actor: str = "broker", **where: Any
+) -> Any | None:
+    """The intent of ``spec`` unless its request id has a row already, committed in one
+    statement (``_INSERT_INTENT_ONCE``): (id, nonce) of the request's row, new or not, or
+    None when a concurrent twin committed it unseen (read it again)."""
+    return alone(sessions, _INSERT_INTENT_ONCE, _intent_params(spec, actor, where))
+
+
+def _intent_params(spec: AcquireRequest, actor: str, where: dict[str, Any]) -> dict[str, Any]:
     values = intent_values(spec, **where)
     if set(values) != set(_INTENT_COLUMNS):
         raise AssertionError("intent_values and _INTENT_COLUMNS differ")
     params = {k: (v.value if isinstance(v, enum.Enum) else v) for k, v in values.items()}
     params.update(actor=actor, detail=json.dumps(_intent_detail(spec)))
+    return params
+
+
+def insert_intent(
+    session: Session, spec: AcquireRequest, *, actor: str = "broker", **where: Any
+) -> str:
+    """``new_intent`` in one statement (``_INSERT_INTENT``) and no ORM object: the acquire
+    path's intent. Returns the sandbox id; the caller commits."""
+    params = _intent_params(spec, actor, where)
     session.execute(_INSERT_INTENT, params)
-    return str(values["id"])
+    return str(params["id"])
 
 
 # The creating step of a create, one statement: lock the row, move it requested ->

@@ -138,6 +138,17 @@ class Provider:
         row, COMMITTED before any create. The request was validated when it was built
         (``AcquireRequest``).
         """
+        with self.sessions() as session:  # cached: no query within JOB_TTL_S
+            job = self.job(session, spec.job)
+        if not abandoned and not (enforce_cap and (job.max_live or job.tenant)):
+            # Nothing to count under a lock: idempotency and the intent in one statement.
+            sandbox_id, token, where = self._new_intent(spec, job)
+            found = store.insert_intent_once(self.sessions, spec, actor=self.actor, **where)
+            if found is not None:
+                if found.id == sandbox_id:
+                    self.failpoint("after-intent")
+                return found.id, derive_token(self._key, found.id, found.nonce)
+            # A twin delivery committed the row meanwhile: read it like any other.
         with self.sessions.begin() as session:
             existing = store.id_by_request(session, spec.request_id)
             if existing is not None:
@@ -147,12 +158,6 @@ class Provider:
                     f"acquire {spec.request_id} was abandoned by its trainer while queued"
                 )
             job = self.job(session, spec.job)
-            # Pods of simulated nodes never run their image: nothing to resolve.
-            resolved = (
-                spec.image_digest
-                if self._simulated(job)
-                else self.backend.resolve_image(spec.image, spec.image_digest)
-            )
             if enforce_cap and job.max_live:
                 live = store.count_live_locked(session, job.name)
                 if live >= job.max_live:
@@ -160,27 +165,36 @@ class Provider:
             tenant = session.get(Tenant, job.tenant) if job.tenant else None
             if enforce_cap and tenant is not None:
                 check_quotas(session, tenant)
-            sandbox_id, nonce = new_id(), store.new_nonce()
-            token = derive_token(self._key, sandbox_id, nonce)
-            margin = self.settings.create_lease_margin_s
-            store.insert_intent(
-                session,
-                spec,
-                installation=self.settings.installation_id,
-                namespace=self.settings.namespace,
-                backend=self.backend.name,
-                sandbox_id=sandbox_id,
-                nonce=nonce,
-                token_hash=store.hash_token(token),
-                # The creating lease bounds how long a dead worker can hold the row.
-                lease_expires_at=utcnow() + dt.timedelta(seconds=job.readiness_budget_s + margin),
-                egress_denied=sandbox_egress_denied(job, spec.egress),
-                tenant=job.tenant,
-                actor=self.actor,
-                image_resolved=resolved,
-            )
+            sandbox_id, token, where = self._new_intent(spec, job)
+            store.insert_intent(session, spec, actor=self.actor, **where)
         self.failpoint("after-intent")
         return sandbox_id, token
+
+    def _new_intent(self, spec: AcquireRequest, job: Job) -> tuple[str, str, dict[str, object]]:
+        """A new intent's id, token and row fields (``store.intent_values`` keywords)."""
+        # Pods of simulated nodes never run their image: nothing to resolve.
+        resolved = (
+            spec.image_digest
+            if self._simulated(job)
+            else self.backend.resolve_image(spec.image, spec.image_digest)
+        )
+        sandbox_id, nonce = new_id(), store.new_nonce()
+        token = derive_token(self._key, sandbox_id, nonce)
+        margin = self.settings.create_lease_margin_s
+        where: dict[str, object] = {
+            "installation": self.settings.installation_id,
+            "namespace": self.settings.namespace,
+            "backend": self.backend.name,
+            "sandbox_id": sandbox_id,
+            "nonce": nonce,
+            "token_hash": store.hash_token(token),
+            # The creating lease bounds how long a dead worker can hold the row.
+            "lease_expires_at": utcnow() + dt.timedelta(seconds=job.readiness_budget_s + margin),
+            "egress_denied": sandbox_egress_denied(job, spec.egress),
+            "tenant": job.tenant,
+            "image_resolved": resolved,
+        }
+        return sandbox_id, token, where
 
     # -- 2/3/4. create ----------------------------------------------------------------
 

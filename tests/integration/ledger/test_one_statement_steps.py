@@ -185,3 +185,19 @@ def test_a_pooled_connection_killed_while_idle_is_replaced(
             assert conn.execute(text("SELECT pg_backend_pid()")).scalar() != pid
     finally:
         engine.dispose()
+
+
+def test_the_one_statement_intent_is_also_the_idempotency_read(sessions: Any, job: str) -> None:
+    spec = _spec(job)
+    first = store.insert_intent_once(sessions, spec, actor="steps", **_where())
+    assert first is not None
+    # A redelivery with a fresh id and nonce converges on the first row, writing nothing.
+    again = store.insert_intent_once(
+        sessions, spec, actor="steps", **_where(), sandbox_id="f" * 32, nonce="f" * 32
+    )
+    assert again is not None and (again.id, again.nonce) == (first.id, first.nonce)
+    with sessions() as session:
+        rows = session.scalars(select(Sandbox.id).where(Sandbox.request_id == spec.request_id))
+        assert list(rows) == [first.id]
+    assert [e[1] for e in _events(sessions, first.id)] == ["intent"]
+    assert _events(sessions, "f" * 32) == []
