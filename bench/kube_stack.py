@@ -26,7 +26,7 @@ from typing import Any
 
 from bench.common import OUT, REPO, acquire_request, bench_env, kubeconfig_path, stop_services
 from bench.kwok import ensure_kwok_job
-from bench.meter import Meter, cluster_pids
+from bench.meter import FLAT, Meter, cluster_pids, service_pids
 from broker.names import Queue, Task
 
 IMAGE = "localhost/sandman-task-base:v1"
@@ -141,10 +141,11 @@ class Harness:
         time.sleep(2)
         pids = {
             "broker": [p.pid for p in self.stack.procs.values()] + [p.pid for p in self.extra],
+            **service_pids(self.settings.state_dir),
             "bench_client": [os.getpid()],
         }
         pids.update(cluster_pids())
-        self.meter = Meter(pids)
+        self.meter = Meter(pids, flat=FLAT)
 
     def request(self, timeout: float) -> dict[str, Any]:
         return acquire_request(IMAGE, CPU, MEMORY, self.job, self.client.owner, timeout)

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import achieved_rate, rate_series, save, summary
 from bench.kube_stack import CPU, IMAGE, MEMORY, Harness, column, stack_arguments
 from bench.kwok import kwok_pod
-from bench.meter import Meter
+from bench.meter import Meter, cpu_table, per_create
 
 
 def bare_pod(name: str, namespace: str, tag: str) -> dict[str, Any]:
@@ -116,7 +116,7 @@ def main() -> int:
         print("bare API baseline ...", flush=True)
         doc["bare_api"] = bare_baseline(h.kube, h.settings.namespace, args.bare_n, 32, tag)
         print(f"bare API: {doc['bare_api']['create_rate']:.1f} creates/s", flush=True)
-        h.meter = Meter(h.meter.groups)  # broker/apiserver usage over the ramp only
+        h.meter = Meter(h.meter.groups, h.meter.flat)  # usage over the ramp only
         ramp_t0 = time.time()
         got = h.offer(
             args.target,
@@ -144,6 +144,12 @@ def main() -> int:
         doc["create_to_ready_s"] = summary(doc["hist_create_to_ready"])
         doc["acquire_latency_s"] = summary(doc["hist_acquire"])
         doc["achieved_create_rate"] = achieved_rate(stamps, args.burst)
+        # Where each create's CPU went over the ramp: broker processes, the embedded
+        # services, the control plane, the bench's own client.
+        doc["ramp_creates"] = len(stamps)
+        doc["cpu_per_create_ms"] = per_create(doc["usage_ramp"], len(stamps))
+        print(f"CPU over the ramp, {len(stamps)} creates:", flush=True)
+        print(cpu_table(doc["usage_ramp"], len(stamps)), flush=True)
         doc["pacer_rate"] = args.rate
         doc["create_rate_series"] = rate_series(stamps, ramp_t0)
         doc["live_series"] = [(p["t"], p["live"]) for p in series]

@@ -227,7 +227,11 @@ class Broker:
         rid = str(message.get("request_id")) if isinstance(message, Mapping) else "None"
         lease: Lease | None = None
         try:
-            lease = self.acquire(AcquireRequest.parse(message), ungate=ungate)
+            # A request the fair queue handed out (``ungate``) had its cancel flag read by
+            # that very pop: no second read before its admission.
+            lease = self.acquire(
+                AcquireRequest.parse(message), ungate=ungate, popped=ungate is not None
+            )
             payload: dict[str, Any] = {"lease": lease.to_dict()}
         except Exception as exc:
             if not isinstance(exc, SandmanError):
@@ -238,15 +242,22 @@ class Broker:
             return {"cancelled": True, "sandbox_id": lease.sandbox_id}
         return {k: v for k, v in payload.get("lease", payload).items() if k != "token"}
 
-    def acquire(self, request: AcquireRequest, ungate: Callable[[], None] | None = None) -> Lease:
-        """A cold create for a validated request (the client already missed the pool)."""
+    def acquire(
+        self,
+        request: AcquireRequest,
+        ungate: Callable[[], None] | None = None,
+        *,
+        popped: bool = False,
+    ) -> Lease:
+        """A cold create for a validated request (the client already missed the pool).
+        ``popped``: the request's cancel flag was read as it left the fair queue."""
         rid = request.request_id
         deadline = time.monotonic() + request.seconds_left()
         with self.sessions() as session:
             job = self.provider.job(session, request.job)
         if time.monotonic() >= deadline:
             raise AcquireTimeout(f"acquire {rid} expired in the queue")
-        abandoned = mailbox.cancelled(self.redis, rid)
+        abandoned = False if popped else mailbox.cancelled(self.redis, rid)
         sandbox_id, token = self._admit(request, job.max_live, deadline, abandoned, ungate)
         give_up = self.watcher.watch(rid, deadline)
         try:

@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import KW_ONLY, dataclass, field
+from typing import Any
 
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -137,21 +138,26 @@ class Provider:
         row, COMMITTED before any create. The request was validated when it was built
         (``AcquireRequest``).
         """
+        with self.sessions() as session:  # cached: no query within JOB_TTL_S
+            job = self.job(session, spec.job)
+        if not abandoned and not (enforce_cap and (job.max_live or job.tenant)):
+            # Nothing to count under a lock: idempotency and the intent in one statement.
+            sandbox_id, token, where = self._new_intent(spec, job)
+            found = store.insert_intent_once(self.sessions, spec, actor=self.actor, **where)
+            if found is not None:
+                if found.id == sandbox_id:
+                    self.failpoint("after-intent")
+                return found.id, derive_token(self._key, found.id, found.nonce)
+            # A twin delivery committed the row meanwhile: read it like any other.
         with self.sessions.begin() as session:
-            existing = store.by_request(session, spec.request_id)
+            existing = store.id_by_request(session, spec.request_id)
             if existing is not None:
-                return existing.id, self.token_for(existing)
+                return existing.id, derive_token(self._key, existing.id, existing.nonce)
             if abandoned:
                 raise AcquireTimeout(
                     f"acquire {spec.request_id} was abandoned by its trainer while queued"
                 )
             job = self.job(session, spec.job)
-            # Pods of simulated nodes never run their image: nothing to resolve.
-            resolved = (
-                spec.image_digest
-                if self._simulated(job)
-                else self.backend.resolve_image(spec.image, spec.image_digest)
-            )
             if enforce_cap and job.max_live:
                 live = store.count_live_locked(session, job.name)
                 if live >= job.max_live:
@@ -159,28 +165,36 @@ class Provider:
             tenant = session.get(Tenant, job.tenant) if job.tenant else None
             if enforce_cap and tenant is not None:
                 check_quotas(session, tenant)
-            sandbox_id, nonce = new_id(), store.new_nonce()
-            token = derive_token(self._key, sandbox_id, nonce)
-            margin = self.settings.create_lease_margin_s
-            row = store.new_intent(
-                session,
-                spec,
-                installation=self.settings.installation_id,
-                namespace=self.settings.namespace,
-                backend=self.backend.name,
-                sandbox_id=sandbox_id,
-                nonce=nonce,
-                token_hash=store.hash_token(token),
-                # The creating lease bounds how long a dead worker can hold the row.
-                lease_expires_at=utcnow() + dt.timedelta(seconds=job.readiness_budget_s + margin),
-                egress_denied=sandbox_egress_denied(job, spec.egress),
-                tenant=job.tenant,
-                actor=self.actor,
-                image_resolved=resolved,
-            )
-            result = row.id, token
+            sandbox_id, token, where = self._new_intent(spec, job)
+            store.insert_intent(session, spec, actor=self.actor, **where)
         self.failpoint("after-intent")
-        return result
+        return sandbox_id, token
+
+    def _new_intent(self, spec: AcquireRequest, job: Job) -> tuple[str, str, dict[str, object]]:
+        """A new intent's id, token and row fields (``store.intent_values`` keywords)."""
+        # Pods of simulated nodes never run their image: nothing to resolve.
+        resolved = (
+            spec.image_digest
+            if self._simulated(job)
+            else self.backend.resolve_image(spec.image, spec.image_digest)
+        )
+        sandbox_id, nonce = new_id(), store.new_nonce()
+        token = derive_token(self._key, sandbox_id, nonce)
+        margin = self.settings.create_lease_margin_s
+        where: dict[str, object] = {
+            "installation": self.settings.installation_id,
+            "namespace": self.settings.namespace,
+            "backend": self.backend.name,
+            "sandbox_id": sandbox_id,
+            "nonce": nonce,
+            "token_hash": store.hash_token(token),
+            # The creating lease bounds how long a dead worker can hold the row.
+            "lease_expires_at": utcnow() + dt.timedelta(seconds=job.readiness_budget_s + margin),
+            "egress_denied": sandbox_egress_denied(job, spec.egress),
+            "tenant": job.tenant,
+            "image_resolved": resolved,
+        }
+        return sandbox_id, token, where
 
     # -- 2/3/4. create ----------------------------------------------------------------
 
@@ -195,16 +209,17 @@ class Provider:
     ) -> Lease:
         """Run the create protocol for a committed intent row and return its lease."""
         started = time.monotonic()
-        with self.sessions.begin() as session:
-            row = self._locked(session, sandbox_id)
+        # One committed statement moves requested/creating -> creating; any other state
+        # is read under the row lock and answered here.
+        row: Any = store.begin_create(self.sessions, sandbox_id, actor=self.actor)
+        if row is None:
+            with self.sessions.begin() as session:
+                done = self._locked(session, sandbox_id)
+                if done.state == State.READY:
+                    return Lease.from_row(done, token)
+                raise CreateFailed(f"sandbox {sandbox_id} is {done.state}: {done.last_error}")
+        with self.sessions() as session:
             job = self.job(session, row.job)
-            if row.state == State.READY:
-                return Lease.from_row(row, token)
-            if row.state not in (State.REQUESTED, State.CREATING):
-                raise CreateFailed(f"sandbox {sandbox_id} is {row.state}: {row.last_error}")
-            if row.state == State.REQUESTED:
-                store.transition(session, row, State.CREATING, actor=self.actor)
-            row.create_attempts += 1
             spec = self._pod_spec(row, job, token, workdir, env or {})
             budget = job.readiness_budget_s
             allow = list(job.egress_allow or [])
@@ -217,9 +232,9 @@ class Provider:
             sent = time.monotonic()
             info = self._submit(spec)
             self.failpoint("after-create-sent")
-            info = self.backend.pull_record(
-                self._await_ready(spec, token, budget, started, give_up)
-            )
+            info = self._await_ready(spec, token, budget, started, give_up)
+            if not spec.simulated_readiness:  # a simulated node pulls nothing
+                info = self.backend.pull_record(info)
             audit.append(
                 {"action": "ready", "outcome": "observed", "api_s": time.monotonic() - sent}
             )
@@ -227,11 +242,12 @@ class Provider:
         except BaseException as exc:
             self._settle_failure(sandbox_id, spec, exc, audit)
             raise
-        return self._mark_ready(sandbox_id, token, info, started, give_up, audit=audit)
+        return self._mark_ready(sandbox_id, token, info, started, give_up, audit=audit, job=job)
 
     def _pod_spec(
-        self, row: Sandbox, job: Job, token: str, workdir: str, env: dict[str, str]
+        self, row: Any, job: Job, token: str, workdir: str, env: dict[str, str]
     ) -> PodSpec:
+        """The pod of ``row`` (a ``Sandbox``, or the columns ``store.begin_create`` returns)."""
         return PodSpec(
             name=row.pod_name,
             namespace=row.namespace,
@@ -368,8 +384,8 @@ class Provider:
         if give_up is not None and give_up.is_set():
             return True
         with self.sessions() as session:
-            row = session.get(Sandbox, sandbox_id)
-            return row is None or row.state == State.RELEASING
+            state = store.state_of(session, sandbox_id)  # one column, no ORM object
+            return state is None or state == State.RELEASING
 
     def _mark_ready(
         self,
@@ -380,7 +396,31 @@ class Provider:
         give_up: threading.Event | None,
         *,
         audit: list[dict[str, object]],
+        job: Job,
     ) -> Lease:
+        if len(audit) == 1 and (give_up is None or not give_up.is_set()):
+            # The common case in one statement; a row no longer ``creating`` (released
+            # meanwhile) is settled by the general path below.
+            observed = {
+                "pod_ip": info.ip,
+                "node_name": info.node,
+                "address": info.address,
+                "create_to_ready_s": time.monotonic() - started,
+                "image_pull_s": info.image_pull_s,
+                "start_s": info.start_s,
+                "image_pulled": info.pulled,
+                "readiness_simulated": self._simulated(job),
+            }
+            ready: Any = store.mark_ready(
+                self.sessions,
+                sandbox_id,
+                actor=self.actor,
+                lease_s=job.lease_s,
+                observed=observed,
+                audit=audit[0],
+            )
+            if ready is not None:
+                return Lease.from_row(ready, token)
         with self.sessions.begin() as session:
             row = self._locked(session, sandbox_id)
             self._write_audit(session, row, audit)
@@ -581,18 +621,16 @@ class Provider:
             )
 
     def _api_event(self, spec: PodSpec, action: str, outcome: str, **detail: object) -> None:
-        with self.sessions.begin() as session:
-            store.audit_only(session)
-            about = store.Subject(spec.sandbox_id, spec.job, spec.name, spec.nonce)
-            store.append_event(
-                session,
-                about,
-                kind="api",
-                action=action,
-                outcome=outcome,
-                actor=self.actor,
-                detail=dict(detail),
-            )
+        about = store.Subject(spec.sandbox_id, spec.job, spec.name, spec.nonce)
+        store.insert_audit(
+            self.sessions,
+            about,
+            kind="api",
+            action=action,
+            outcome=outcome,
+            actor=self.actor,
+            detail=dict(detail),
+        )
 
 
 def sandbox_egress_denied(job: Job, requested: str | None) -> bool:

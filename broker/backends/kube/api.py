@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import time
 from collections.abc import Callable, Iterator
 from typing import Any, Literal, TypeVar
+from urllib.parse import quote
 
 import urllib3
 from kubernetes import client, config
@@ -110,6 +112,56 @@ def call_json(what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> d
     return json_object(data, KubeUnavailable, what)
 
 
+# Where ``Kube.post`` creates each kind of namespaced object.
+COLLECTIONS = {
+    "pod": "/api/v1/namespaces/{namespace}/pods",
+    "configmap": "/api/v1/namespaces/{namespace}/configmaps",
+    "secret": "/api/v1/namespaces/{namespace}/secrets",
+    "networkpolicy": "/apis/networking.k8s.io/v1/namespaces/{namespace}/networkpolicies",
+    "daemonset": "/apis/apps/v1/namespaces/{namespace}/daemonsets",
+}
+
+
+def post_json(
+    api_client: client.ApiClient, what: str, path: str, body: dict[str, Any]
+) -> dict[str, Any]:
+    """POST a plain dict through the client's own connection pool, TLS and credentials,
+    and return the response body as plain JSON.
+
+    Why not the generated method: it validates the body into its pydantic model (a whole
+    ``V1Pod``) and dumps it back to a dict before sending, about a fifth of an acquire
+    worker's CPU per create on the scale run, for a body the broker built itself and the
+    API server validates anyway. Errors are the generated client's (``translate``)."""
+    cfg = api_client.configuration
+    headers = {
+        **api_client.default_headers,
+        "Accept": "application/json",
+        "Content-Type": "application/json",
+    }
+    for auth in cfg.auth_settings().values():  # the bearer token, refreshed by its hook
+        if auth.get("in") == "header" and auth.get("value"):
+            headers[str(auth["key"])] = str(auth["value"])
+    connect, read = REQUEST_TIMEOUT
+    try:
+        resp = api_client.rest_client.pool_manager.request(
+            "POST",
+            cfg.host + path,
+            body=json.dumps(body),
+            headers=headers,
+            timeout=urllib3.Timeout(connect=connect, read=read),
+            preload_content=False,
+        )
+        try:
+            data = resp.data
+        finally:
+            resp.release_conn()
+    except _TRANSPORT as exc:
+        raise translate(exc, what) from exc
+    if not 200 <= resp.status < 300:
+        raise translate(ApiException(http_resp=resp), what)
+    return json_object(data, KubeUnavailable, what)
+
+
 READ_ATTEMPTS = 3
 
 
@@ -139,7 +191,26 @@ def read_json_or_none(what: str, fn: Callable[..., Any], *args: Any) -> dict[str
         return None
 
 
-def _json_lines(resp: Any) -> Iterator[dict[str, Any]]:
+# The first name and resourceVersion of a watch event's line: the object's own (the API
+# server writes metadata first, its name first).
+_EVENT_NAME = re.compile(rb'"metadata":\{"name":"([^"]*)"')
+_EVENT_VERSION = re.compile(rb'"resourceVersion":"([^"]*)"')
+
+
+def _event(line: bytes, wanted: Callable[[str], bool] | None) -> dict[str, Any]:
+    """One watch line as JSON; an object ``wanted`` refuses by name is not parsed, only
+    its resourceVersion is kept (a ``SKIPPED`` event), so a watch can resume after it."""
+    if wanted is not None:
+        found = _EVENT_NAME.search(line)
+        if found is not None and not wanted(found.group(1).decode()):
+            version = _EVENT_VERSION.search(line)
+            meta = {"resourceVersion": version.group(1).decode() if version else ""}
+            return {"type": "SKIPPED", "object": {"metadata": meta}}
+    data: dict[str, Any] = json.loads(line)
+    return data
+
+
+def _json_lines(resp: Any, wanted: Callable[[str], bool] | None = None) -> Iterator[dict[str, Any]]:
     """Parse a watch stream (one JSON object per line) without the client's models."""
     pending = b""
     for chunk in resp.stream(amt=None, decode_content=True):
@@ -147,9 +218,9 @@ def _json_lines(resp: Any) -> Iterator[dict[str, Any]]:
         *lines, pending = pending.split(b"\n")
         for line in lines:
             if line.strip():
-                yield json.loads(line)
+                yield _event(line, wanted)
     if pending.strip():
-        yield json.loads(pending)
+        yield _event(pending, wanted)
 
 
 # The namespaced side objects ``Kube.get_object``/``create_object`` handle.
@@ -166,7 +237,12 @@ class Kube:
         self.apps = client.AppsV1Api(api_client)
 
     def create_pod(self, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
-        return call_json("create pod", self.core.create_namespaced_pod, namespace, body)
+        return self.post("pod", namespace, body)
+
+    def post(self, kind: str, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
+        """Create one object of ``kind`` (a key of COLLECTIONS); see ``post_json``."""
+        path = COLLECTIONS[kind].format(namespace=quote(namespace, safe=""))
+        return post_json(self.api_client, f"create {kind}", path, body)
 
     def get_pod(self, namespace: str, name: str) -> dict[str, Any] | None:
         return read_json_or_none("read pod", self.core.read_namespaced_pod, name, namespace)
@@ -226,10 +302,12 @@ class Kube:
         label_selector: str = "",
         resource_version: str = "",
         timeout_s: float = 5.0,
+        wanted: Callable[[str], bool] | None = None,
     ) -> Iterator[tuple[str, dict[str, Any]]]:
         """Yield (event type, pod) until timeout; raises KubeError(410) when too old.
 
-        BOOKMARK events are passed on (they carry only a newer resourceVersion)."""
+        BOOKMARK events are passed on (they carry only a newer resourceVersion), and so
+        are SKIPPED ones: a pod whose name ``wanted`` refuses, left unparsed."""
         kwargs: dict[str, Any] = {
             "watch": True,
             "timeout_seconds": max(1, int(timeout_s)),
@@ -246,7 +324,7 @@ class Kube:
         resp: Any = None  # a urllib3 response: _preload_content=False
         try:
             resp = self.core.list_namespaced_pod(namespace, **kwargs)
-            for event in _json_lines(resp):
+            for event in _json_lines(resp, wanted):
                 kind = event.get("type", "")
                 obj = event.get("object")
                 raw = obj if isinstance(obj, dict) else {}
@@ -265,29 +343,25 @@ class Kube:
                 resp.close()
                 resp.release_conn()
 
-    def _methods(self, kind: ObjectKind) -> tuple[Callable[..., Any], Callable[..., Any]]:
-        """The generated client's (read, create) pair for ``kind``: the broker's side
-        objects (the execd configmap, job owners, egress policies, execd token secrets)
-        are all read and created the same way, so one ``get_object``/``create_object``
-        serves them."""
+    def _reader(self, kind: ObjectKind) -> Callable[..., Any]:
+        """The generated client's read of ``kind``: the broker's side objects (the execd
+        configmap, job owners, egress policies, execd token secrets) are all read the same
+        way, and created by ``post``, so one ``get_object``/``create_object`` serves them."""
         if kind == "configmap":
-            return self.core.read_namespaced_config_map, self.core.create_namespaced_config_map
+            return self.core.read_namespaced_config_map
         if kind == "secret":
-            return self.core.read_namespaced_secret, self.core.create_namespaced_secret
+            return self.core.read_namespaced_secret
         if kind == "daemonset":
-            return self.apps.read_namespaced_daemon_set, self.apps.create_namespaced_daemon_set
-        net = self.net
-        return net.read_namespaced_network_policy, net.create_namespaced_network_policy
+            return self.apps.read_namespaced_daemon_set
+        return self.net.read_namespaced_network_policy
 
     def get_object(self, kind: ObjectKind, namespace: str, name: str) -> dict[str, Any] | None:
-        read, _ = self._methods(kind)
-        return read_json_or_none(f"read {kind}", read, name, namespace)
+        return read_json_or_none(f"read {kind}", self._reader(kind), name, namespace)
 
     def create_object(
         self, kind: ObjectKind, namespace: str, body: dict[str, Any]
     ) -> dict[str, Any]:
-        _, create = self._methods(kind)
-        return call_json(f"create {kind}", create, namespace, body)
+        return self.post(kind, namespace, body)
 
     def list_daemonsets(self, namespace: str, selector: str) -> list[dict[str, Any]]:
         data = read_json(

@@ -342,7 +342,8 @@ class KubeBackend:
         body = podspec.pod_manifest(
             spec, execd_configmap=execd_name, execd_keys=keys, port=self.port, owner_uid=owner_uid
         )
-        self._watch(spec.namespace)  # following before the POST: its events are not missed
+        # following before the POST: its events are not missed
+        self._watch(spec.namespace).expect(spec.name)
         try:
             with self._in_namespace(spec.namespace, "create secrets"):
                 self._ensure_token_secret(spec, owner_uid)
@@ -394,6 +395,7 @@ class KubeBackend:
         labels = (pod.get("metadata") or {}).get("labels") or {}
         if labels.get(LABEL_NONCE) != nonce or labels.get(LABEL_INSTALLATION) != self.installation:
             raise OwnershipError(f"refusing to delete {name}: nonce/installation mismatch")
+        self._watch(namespace).expect(name)  # its deletion is waited for next (wait_gone)
         try:
             self.kube.delete_pod(namespace, name, uid=pod["metadata"].get("uid"))
         except KubeNotFound:

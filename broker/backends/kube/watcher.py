@@ -55,6 +55,7 @@ class PodWatch:
         self._latest: dict[str, PodInfo | None] = {}  # None: seen deleted; oldest first
         self._seen: dict[str, float] = {}  # name -> monotonic time of its last event
         self._waiters: dict[str, _Waiter] = {}
+        self._expected: dict[str, float] = {}  # name -> until (monotonic): see ``expect``
         self._generation = 0
         self._connected = False
         self._stop = threading.Event()
@@ -103,11 +104,12 @@ class PodWatch:
             label_selector=self.selector,
             resource_version=version,
             timeout_s=WATCH_WINDOW_S,
+            wanted=self._wanted,
         ):
             meta = obj.get("metadata") or {}
             assert isinstance(meta, dict)
             version = str(meta.get("resourceVersion") or version)
-            if kind == "BOOKMARK":
+            if kind in ("BOOKMARK", "SKIPPED"):
                 continue
             name = str(meta.get("name") or "")
             info = None if kind == "DELETED" else self.to_info(obj)
@@ -143,6 +145,27 @@ class PodWatch:
 
     def close(self) -> None:
         self._stop.set()
+
+    # -- interest -----------------------------------------------------------------------
+
+    def expect(self, name: str) -> None:
+        """This process is about to create or delete pod ``name``: keep its events.
+
+        Every worker process follows every pod of the installation, most of them another
+        process's; only the pods a waiter here follows, or is about to (registered before
+        the create or delete is sent, so its first events are kept), are parsed. An
+        event skipped for any other pod costs a waiter nothing: one it did not see is
+        read by GET, as after a reconnect."""
+        now = time.monotonic()
+        with self._lock:
+            if len(self._expected) > MAX_TRACKED // 10:
+                self._expected = {n: t for n, t in self._expected.items() if t > now}
+            self._expected[name] = now + KEEP_S
+
+    def _wanted(self, name: str) -> bool:
+        """Is pod ``name`` one this process waits for, or is about to? (Unlocked dict reads
+        from the stream's thread: a stale answer only costs a waiter a GET.)"""
+        return name in self._waiters or self._expected.get(name, 0.0) > time.monotonic()
 
     # -- waiters ------------------------------------------------------------------------
 

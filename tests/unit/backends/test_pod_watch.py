@@ -6,6 +6,7 @@ tests/cluster/test_provider_cluster.py; here the bookkeeping is pinned down exac
 
 from __future__ import annotations
 
+import json
 import queue
 import threading
 import time
@@ -156,3 +157,31 @@ def test_old_events_are_forgotten(
     settled(watch, "new")
     with watch._lock:
         assert list(watch._latest) == ["new"]
+
+
+def test_a_stream_line_of_a_pod_nobody_here_wants_is_left_unparsed() -> None:
+    from broker.backends.kube.api import _event
+
+    line = json.dumps({"type": "MODIFIED", "object": pod("sm-other", 42, ready=True)})
+    compact = line.replace(": ", ":").replace(", ", ",").encode()
+    assert _event(compact, lambda name: name == "sm-mine") == {
+        "type": "SKIPPED",
+        "object": {"metadata": {"resourceVersion": "42"}},
+    }
+    assert _event(compact, lambda name: name == "sm-other") == json.loads(line)
+    assert _event(compact, None) == json.loads(line)
+
+
+def test_the_watch_keeps_the_pods_this_process_creates_or_waits_for() -> None:
+    kube = FakeKube()
+    watch = PodWatch(kube, "ns", "sel", lambda obj: pod_info(obj, 8080))  # type: ignore[arg-type]
+    try:
+        assert not watch._wanted("sm-a")
+        watch.expect("sm-a")
+        assert watch._wanted("sm-a") and not watch._wanted("sm-b")
+        waiter = watch._register("sm-b")
+        assert watch._wanted("sm-b") and waiter.count == 1
+        watch._unregister("sm-b")
+        assert not watch._wanted("sm-b")
+    finally:
+        watch.close()

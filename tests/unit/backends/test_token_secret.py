@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -118,7 +119,8 @@ def kube(monkeypatch: pytest.MonkeyPatch) -> tuple[KubeBackend, _Kube]:
     fake = _Kube()
     backend = KubeBackend(fake, installation="inst")  # type: ignore[arg-type]
     monkeypatch.setattr(backend, "_ensure_execd", lambda ns: ("cm", ["a.py"]))
-    monkeypatch.setattr(backend, "_watch", lambda ns: None)
+    # no pod watch: nothing here waits on one, it only learns which pods to follow
+    monkeypatch.setattr(backend, "_watch", lambda ns: SimpleNamespace(expect=lambda name: None))
     return backend, fake
 
 
